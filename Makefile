@@ -1,0 +1,26 @@
+# Two commands: `make run` trains the default preset on a local Ray, `make test` runs the tests.
+# Each creates .venv when missing and installs the pinned CPU torch first (an unpinned torch would
+# pull a multi-GB CUDA build), then the project with its dev extras.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: run test install clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+run: $(BIN)/.installed
+	$(BIN)/jointrl train --config shapes
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,65 @@
+"""One code path, two modes: the same actor classes run as Ray actors or in-process (`inline`).
+
+In-process handles mimic the part of Ray's actor API the project uses (`h.method.remote(...)`,
+`.options(num_returns=k)`, ObjectRef arguments resolved at the top level) so that `inline` is the
+correctness oracle for `ray` and a debugger can step through a whole training step.
+"""
+from __future__ import annotations
+
+import ray
+
+
+class InlineRef:
+    """An already-computed result standing in for an ObjectRef."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _resolve(arg):
+    return arg.value if isinstance(arg, InlineRef) else arg
+
+
+class _InlineMethod:
+    def __init__(self, fn, num_returns: int = 1):
+        self.fn, self.num_returns = fn, num_returns
+
+    def options(self, num_returns: int = 1, **_ignored) -> "_InlineMethod":
+        return _InlineMethod(self.fn, num_returns)
+
+    def remote(self, *args, **kwargs):
+        out = self.fn(*map(_resolve, args), **{k: _resolve(v) for k, v in kwargs.items()})
+        return tuple(InlineRef(o) for o in out) if self.num_returns > 1 else InlineRef(out)
+
+
+class InlineHandle:
+    def __init__(self, instance):
+        self.instance = instance
+
+    def __getattr__(self, name):
+        return _InlineMethod(getattr(self.instance, name))
+
+
+def get(refs):
+    """`ray.get` for ObjectRefs, InlineRefs, or a list or dict of either."""
+    if isinstance(refs, dict):
+        return dict(zip(refs, get(list(refs.values()))))
+    if isinstance(refs, list):
+        if all(isinstance(r, InlineRef) for r in refs):
+            return [r.value for r in refs]
+        return ray.get(refs)
+    return refs.value if isinstance(refs, InlineRef) else ray.get(refs)
+
+
+class Runtime:
+    """Spawns actors for a mode: `ray` (named, in the `jointrl` namespace) or `inline`."""
+
+    def __init__(self, mode: str, run_name: str):
+        self.mode, self.run_name = mode, run_name
+
+    def spawn(self, cls, *args, name: str, **options):
+        if self.mode == "inline":
+            return InlineHandle(cls(*args))
+        options = {"num_cpus": 0, **options}
+        return ray.remote(cls).options(name=f"{self.run_name}/{name}", namespace="jointrl",
+                                       **options).remote(*args)

@@ -1,0 +1,103 @@
+"""`jointrl` / `python -m driver`: validate the config, connect to Ray, start the driver, stream progress.
+
+Exit status 2 for a bad config or value (nothing is started), 1 if training fails, 0 on success.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from driver.config import Config, ConfigError, dump_config, load_config
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="jointrl", description="Joint RL of N prompt refiners and one generator.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a preset or YAML config")
+    t.add_argument("--config", default="shapes", help="a preset name or a YAML path (default: shapes)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set trainer.steps=40 (repeatable)")
+    t.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go")
+    return p.parse_args(argv)
+
+
+def prepare_run(config: Config, run_dir: str | None, preset: str) -> Path:
+    path = Path(run_dir or f"runs/{Path(preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (path / "metrics.jsonl").exists():
+        raise ConfigError(f"--run-dir '{path}' already holds a run (metrics.jsonl); choose another "
+                          f"folder so nothing already trained is overwritten")
+    if config.trainer.run_name is None:
+        config.trainer.run_name = path.resolve().name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(dump_config(config))
+    return path
+
+
+class Progress:
+    """A live progress line on a terminal; one plain line per step otherwise (CI, job logs)."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True) if self.tty else None
+        self.total = total
+
+    def __call__(self, row: dict) -> None:
+        from driver.metrics import progress_line
+        if self.bar is not None:
+            self.bar.set_postfix_str(progress_line(row), refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"step {row['step'] + 1}/{self.total} {progress_line(row)}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train(config: Config, run_dir: Path) -> dict:
+    """Run training in the configured mode, streaming progress; returns the driver's summary."""
+    import ray
+
+    from cluster.connect import connect
+    from driver.launch import start_driver
+    progress = Progress(config.trainer.steps)
+    started_here = config.cluster.mode == "ray" and not ray.is_initialized()
+    try:
+        if config.cluster.mode == "inline":
+            return start_driver(config, run_dir).instance.run(on_row=progress)
+        connect(config.cluster.address)
+        driver = start_driver(config, run_dir)
+        done, seen = driver.run.remote(), 0
+        while True:
+            finished = ray.wait([done], timeout=0.5)[0]
+            for row in ray.get(driver.poll.remote(seen)):
+                progress(row)
+                seen += 1
+            if finished:
+                summary = ray.get(done)
+                ray.kill(driver)
+                return summary
+    finally:
+        progress.close()
+        if started_here:
+            ray.shutdown()
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        run_dir = prepare_run(config, args.run_dir, args.config)
+    except ConfigError as e:
+        print(f"jointrl: {e}", file=sys.stderr)
+        return 2
+    print(f"jointrl: run '{config.trainer.run_name}' in {run_dir} ({config.cluster.mode} mode, "
+          f"{config.experts.n_refiners} refiners + generator, credit={config.algorithm.credit})", flush=True)
+    summary = train(config, run_dir)
+    print(f"jointrl: done, {summary['steps']} steps, final reward/total={summary['last']['reward/total']:.3f}\n"
+          f"  run dir:     {run_dir}\n  metrics:     {run_dir / 'metrics.jsonl'}\n"
+          f"  config:      {run_dir / 'config.yaml'}\n  checkpoints: {run_dir / 'checkpoints'}", flush=True)
+    return 0

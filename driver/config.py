@@ -1,0 +1,275 @@
+"""The typed run config: every default lives here, presets override a few, `--set` overrides any.
+
+`load_config` turns a preset name or YAML path plus `dotted.key=value` overrides into a validated
+`Config`, or raises `ConfigError` with one paragraph that names the offending key.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
+                      PositiveInt, ValidationError, model_validator)
+
+from tasks.reward import TERMS, TEXT_TERMS
+from tasks.shapes import MAX_PROMPT_WORDS
+
+
+
+
+class ConfigError(ValueError):
+    """A bad config or value; the CLI prints it and exits with status 2 before starting anything."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyLMConfig(Strict):
+    kind: Literal["tiny_lm"] = "tiny_lm"
+    d_model: PositiveInt = 64
+    n_layers: PositiveInt = 2
+    n_heads: PositiveInt = 4
+
+
+class RefinerConfig(Strict):
+    owns: list[str] | None = None            # reward terms credited to this refiner; None: the default
+    train: bool = True
+    lr: PositiveFloat = 3e-3
+    update_every: PositiveInt = 1
+    kl_beta: NonNegativeFloat = 0.01
+    max_new_tokens: PositiveInt = 6
+    temperature: PositiveFloat = 1.0
+    model: TinyLMConfig = TinyLMConfig()
+
+
+class TinyDiTConfig(Strict):
+    kind: Literal["tiny_dit"] = "tiny_dit"
+    d_model: PositiveInt = 64
+    n_layers: PositiveInt = 2
+    n_heads: PositiveInt = 4
+    patch: PositiveInt = 4
+
+
+class GeneratorConfig(Strict):
+    train: bool = True                        # false: prompt-only mode, the generator stays at version 0
+    lr: PositiveFloat = 3e-4
+    update_every: PositiveInt = 1
+    kl_beta: NonNegativeFloat = 0.01
+    clip_eps: PositiveFloat = 1e-4
+    noise_level: PositiveFloat = 0.7
+    sample_steps: PositiveInt = 8
+    init: str | None = None                   # a checkpoint to start from (pretrained base)
+    model: TinyDiTConfig = TinyDiTConfig()
+
+
+class TextEncoderConfig(Strict):
+    d_model: PositiveInt = 64
+    n_layers: PositiveInt = 2
+    n_heads: PositiveInt = 4
+
+
+class ExpertsConfig(Strict):
+    n_refiners: int = Field(3, ge=1)
+    refiners: list[RefinerConfig] = []
+    generator: GeneratorConfig = GeneratorConfig()
+    text_encoder: TextEncoderConfig = TextEncoderConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refiner_keys(cls, data):
+        """`experts.refiner_<i>.<key>` is shorthand for `experts.refiners.<i>.<key>`."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        named = {int(m.group(1)): data.pop(k) for k in list(data) if (m := re.fullmatch(r"refiner_(\d+)", k))}
+        if named:
+            refiners = [dict(r) if isinstance(r, dict) else r for r in data.get("refiners", [])]
+            for i, overrides in sorted(named.items()):
+                refiners += [{} for _ in range(i + 1 - len(refiners))]
+                refiners[i] = {**refiners[i], **overrides}
+            data["refiners"] = refiners
+        return data
+
+    @model_validator(mode="after")
+    def _fill_refiners(self):
+        if len(self.refiners) > self.n_refiners:
+            raise ValueError(f"refiner_{len(self.refiners) - 1} is configured but n_refiners={self.n_refiners}")
+        refiners = self.refiners + [RefinerConfig() for _ in range(self.n_refiners - len(self.refiners))]
+        for i, r in enumerate(refiners):
+            if r.owns is None:
+                r.owns = [TEXT_TERMS[i % len(TEXT_TERMS)]]
+        self.__dict__["refiners"] = refiners
+        return self
+
+    def ids(self) -> list[str]:
+        return [f"refiner_{i}" for i in range(self.n_refiners)] + ["generator"]
+
+
+class AlgorithmConfig(Strict):
+    credit: Literal["shared", "per_expert", "counterfactual"] = "per_expert"
+    group_size: int = Field(8, ge=2)
+    num_skip_refinement: NonNegativeInt = 2
+    adv_clip: PositiveFloat = 5.0
+    grad_clip: PositiveFloat = 1.0
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.num_skip_refinement >= self.group_size:
+            raise ValueError(f"num_skip_refinement ({self.num_skip_refinement}) must be smaller than "
+                             f"group_size ({self.group_size}): a group needs refined samples")
+        if self.credit == "counterfactual":
+            raise ValueError("credit=counterfactual is not available yet; use shared or per_expert")
+        return self
+
+
+class TrainerConfig(Strict):
+    steps: PositiveInt = 40
+    seed: int = 0
+    prompts_per_step: PositiveInt = 4
+    n_train_prompts: PositiveInt = 48
+    checkpoint_every: NonNegativeInt = 0      # 0: only at the end
+    run_name: str | None = None
+
+
+class ClusterConfig(Strict):
+    mode: Literal["ray", "inline"] = "ray"
+    address: str | None = None                # None: RAY_ADDRESS if set, else a new local Ray
+    rollout_workers: PositiveInt = 1
+
+
+class RewardConfig(Strict):
+    weights: dict[str, NonNegativeFloat] = {"image": 1.0, "fidelity": 0.5, "style": 0.5, "format": 0.5}
+
+    @model_validator(mode="after")
+    def _known_terms(self):
+        unknown = sorted(set(self.weights) - set(TERMS))
+        if unknown:
+            raise ValueError(f"unknown reward terms {unknown}; the shapes reward has {list(TERMS)}")
+        return self
+
+
+class TaskConfig(Strict):
+    name: Literal["shapes"] = "shapes"
+    image_size: PositiveInt = 32
+
+
+class Config(Strict):
+    experts: ExpertsConfig = ExpertsConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    reward: RewardConfig = RewardConfig()
+    task: TaskConfig = TaskConfig()
+
+    @model_validator(mode="after")
+    def _owned_terms(self):
+        for i, r in enumerate(self.experts.refiners):
+            bad = [t for t in r.owns if t not in self.reward.weights]
+            if bad:
+                raise ValueError(f"experts.refiner_{i}.owns names {bad}, not a reward term "
+                                 f"({sorted(self.reward.weights)})")
+            if self.algorithm.credit == "per_expert" and not r.owns:
+                raise ValueError(f"experts.refiner_{i}.owns is empty, but credit=per_expert needs a term")
+        if self.task.image_size % self.experts.generator.model.patch:
+            raise ValueError("task.image_size must be a multiple of experts.generator.model.patch")
+        return self
+
+    def owners(self) -> dict[str, list[str]]:
+        """Reward term -> the refiners that own it."""
+        out: dict[str, list[str]] = {}
+        for i, r in enumerate(self.experts.refiners):
+            for t in r.owns:
+                out.setdefault(t, []).append(f"refiner_{i}")
+        return out
+
+    def expert(self, expert_id: str) -> RefinerConfig | GeneratorConfig:
+        return self.experts.generator if expert_id == "generator" else \
+            self.experts.refiners[int(expert_id.split("_")[1])]
+
+    def text_len(self) -> int:
+        """Longest composed text: <bos> prompt, then <sep> and each refiner's tokens."""
+        return 1 + MAX_PROMPT_WORDS + sum(1 + r.max_new_tokens for r in self.experts.refiners)
+
+
+PRESETS: dict[str, dict] = {
+    "shapes": {},  # the defaults above: 3 refiners, each owning a text term, per_expert credit
+    "shapes-tiny": {  # for tests and smoke runs: small groups, short sampling
+        "algorithm": {"group_size": 4, "num_skip_refinement": 1},
+        "trainer": {"steps": 3, "prompts_per_step": 2},
+        "experts": {"generator": {"sample_steps": 4}},
+    },
+}
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for i, k in enumerate(keys[:-1]):
+        if isinstance(node, list) and k.isdigit():
+            k = int(k)
+            node += [{} for _ in range(k + 1 - len(node))]
+        elif not isinstance(node, dict):
+            raise ConfigError(f"invalid config key '{dotted}': '{'.'.join(keys[:i])}' is not a section")
+        nxt = node[k] if (isinstance(node, list) or k in node) else None
+        if nxt is None:
+            nxt = node[k] = {}
+        node = nxt
+    if isinstance(node, list):
+        raise ConfigError(f"invalid config key '{dotted}': give a field, e.g. '{dotted}.lr'")
+    node[keys[-1]] = value
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_override(item: str) -> tuple[str, object]:
+    if "=" not in item:
+        raise ConfigError(f"invalid --set '{item}': expected dotted.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
+    """Resolve a preset name or YAML path plus `dotted.key=value` overrides into a Config."""
+    if source in PRESETS:
+        tree = _deep_merge({}, PRESETS[source])
+    elif Path(source).is_file():
+        try:
+            tree = yaml.safe_load(Path(source).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{source}' is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file '{source}' must hold a mapping of sections, not {type(tree).__name__}")
+    else:
+        raise ConfigError(f"unknown config '{source}': neither a preset ({', '.join(PRESETS)}) "
+                          f"nor an existing YAML file")
+    for item in overrides:
+        _set(tree, *parse_override(item))
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(describe(e)) from None
+
+
+def describe(error: ValidationError) -> str:
+    parts = []
+    for err in error.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "config"
+        got = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict) else ""
+        parts.append(f"{key}: {err['msg']}{got}")
+    return "invalid config: " + "; ".join(parts) + ". Nothing was started."
+
+
+def dump_config(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(), sort_keys=False)

@@ -1,0 +1,43 @@
+"""Credit assignment: which advantage each expert learns from (SPEC §2, step 5).
+
+shared:      every expert uses the total reward's advantage over the whole group (skip samples are
+             the in-group baseline, as PromptRL's retention).
+per_expert:  refiner k uses the advantage of the terms it owns, normalised over the group's samples
+             that it refined; the generator always uses the total.
+counterfactual is the seam for a difference reward D_k = R - R(without y_k) (a later issue).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def group_normalise(values: np.ndarray, groups: np.ndarray, include: np.ndarray, clip: float) -> np.ndarray:
+    """A = clip((R - mean) / (std + 1e-4), +-clip) within each group over `include`; 0 elsewhere."""
+    adv = np.zeros_like(values, dtype=np.float64)
+    for g in np.unique(groups):
+        sel = (groups == g) & include
+        if sel.any():
+            r = values[sel]
+            adv[sel] = np.clip((r - r.mean()) / (r.std() + 1e-4), -clip, clip)
+    return adv
+
+
+def total_reward(terms: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarray:
+    return sum(w * terms[t] for t, w in weights.items())
+
+
+def advantages(mode: str, terms: dict[str, np.ndarray], weights: dict[str, float], groups: np.ndarray,
+               refined: np.ndarray, owns: dict[str, list[str]], clip: float) -> dict[str, np.ndarray]:
+    """Per expert, an advantage for every sample (refiners: nonzero only where they refined)."""
+    everyone = np.ones_like(refined, dtype=bool)
+    shared = group_normalise(total_reward(terms, weights), groups, everyone, clip)
+    out = {"generator": shared}
+    for eid, owned in owns.items():
+        if mode == "shared":
+            out[eid] = np.where(refined, shared, 0.0)
+        elif mode == "per_expert":
+            own = total_reward(terms, {t: weights[t] for t in owned})
+            out[eid] = group_normalise(own, groups, refined, clip)
+        else:
+            raise ValueError(f"credit mode {mode!r} is not implemented")
+    return out

@@ -1,0 +1,82 @@
+"""`ExpertActor`: one expert (a refiner or the generator) with its weights, reference and version.
+
+Its version is 0 at start and +1 per applied update; `update` is idempotent by step, so a retried
+call never applies an update twice. Weights leave the actor as a dict of numpy arrays, which Ray's
+object store hands to rollout workers without copying.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+from experts.build import build_model
+from experts.text_encoder import pad_features
+from experts.updates import generator_loss, refiner_loss
+
+
+def _tensor(x) -> torch.Tensor:
+    return torch.tensor(np.asarray(x))
+
+
+def merge_refiner_batches(expert_id: str, shards: list[dict]) -> dict:
+    """This refiner's samples from every rollout shard, in shard order."""
+    parts = [s[expert_id] for s in shards if expert_id in s and len(s[expert_id]["prompts"])]
+    return {"prompts": [p for s in parts for p in s["prompts"]],
+            **{k: torch.cat([_tensor(s[k]) for s in parts]) for k in ("tokens", "logps", "mask")}}
+
+
+def merge_generator_batches(shards: list[dict]) -> dict:
+    """All trajectories from every rollout shard, text features re-padded to a common length."""
+    feats = [_tensor(t)[~_tensor(p)] for s in shards for t, p in zip(s["text"], s["text_pad"])]
+    text, pad = pad_features(feats)
+    return {"states": torch.cat([_tensor(s["states"]) for s in shards]),
+            "logps": torch.cat([_tensor(s["logps"]) for s in shards]), "text": text, "text_pad": pad}
+
+
+class ExpertActor:
+    def __init__(self, config, expert_id: str):
+        torch.set_num_threads(1)
+        self.expert_id, self.config = expert_id, config
+        self.spec = config.expert(expert_id)
+        self.model = build_model(config, expert_id)
+        self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr)
+        self.version = 0
+        self.last_step, self.last_stats = -1, {}
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+
+    def info(self) -> dict:
+        return {"version": self.version, "last_step": self.last_step}
+
+    def state(self) -> dict:
+        """Everything a checkpoint needs to restore this expert exactly."""
+        return {"version": self.version, "last_step": self.last_step, "weights": self.weights(),
+                "optimizer": self.optimizer.state_dict()}
+
+    def update(self, step: int, advantages: np.ndarray, *shards: dict) -> dict:
+        """One optimizer step on this step's samples; a repeated call for the same step is a no-op."""
+        if step <= self.last_step:
+            return self.last_stats
+        adv = torch.tensor(np.asarray(advantages), dtype=torch.float32)
+        self.model.train()
+        if self.expert_id == "generator":
+            batch = merge_generator_batches(list(shards))
+            loss, stats = generator_loss(self.model, self.reference, batch, adv, self.spec.noise_level,
+                                         self.spec.clip_eps, self.spec.kl_beta)
+        else:
+            batch = merge_refiner_batches(self.expert_id, list(shards))
+            loss, stats = refiner_loss(self.model, self.reference, batch, adv, self.spec.kl_beta)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{self.expert_id}: non-finite loss at step {step}; update not applied")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.algorithm.grad_clip)
+        self.optimizer.step()
+        self.version += 1
+        self.last_step = step
+        self.last_stats = {"loss": float(loss.detach()), **stats, "version": self.version}
+        return self.last_stats

@@ -1,0 +1,26 @@
+"""Builds each expert's model from the config; the one place that maps a model `kind` to a class."""
+from __future__ import annotations
+
+import torch
+
+from experts.dit import TinyDiT
+from experts.refiner_lm import TinyCausalLM
+from experts.seeding import derive_seed
+from experts.text_encoder import TextEncoder
+from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
+
+
+def build_model(config, expert_id: str) -> torch.nn.Module:
+    """The freshly initialised model of `expert_id`, identical wherever it is built (seeded)."""
+    torch.manual_seed(derive_seed(config.trainer.seed, "init", expert_id))
+    if expert_id == "text_encoder":
+        te = config.experts.text_encoder
+        return TextEncoder(len(VOCAB), te.d_model, te.n_layers, te.n_heads, config.text_len())
+    spec = config.expert(expert_id)
+    if expert_id == "generator":
+        m = spec.model
+        return TinyDiT(config.task.image_size, 3, m.patch, m.d_model, m.n_layers, m.n_heads,
+                       config.experts.text_encoder.d_model)
+    m = spec.model
+    return TinyCausalLM(len(VOCAB), m.d_model, m.n_layers, m.n_heads,
+                        MAX_PROMPT_WORDS + 2 + spec.max_new_tokens, spec.max_new_tokens, spec.temperature)

@@ -1,0 +1,62 @@
+"""A tiny DiT-style flow-matching velocity model: patchified image, timestep and text conditioning.
+
+Image patches and projected text features attend jointly (as in SD3's MMDiT, in one stream); the
+timestep and the pooled text modulate every block through adaLN-zero. The generator interface the
+driver relies on is `forward(x, sigma, text, text_pad) -> velocity`, which a diffusers transformer
+can implement later.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from experts.layers import Block, padding_mask
+
+
+def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half) / half)
+    args = sigma[:, None] * 1000.0 * freqs[None]
+    return torch.cat([args.cos(), args.sin()], -1)
+
+
+class TinyDiT(nn.Module):
+    def __init__(self, image_size: int, channels: int, patch: int, d_model: int, n_layers: int,
+                 n_heads: int, d_text: int):
+        super().__init__()
+        self.channels, self.patch, self.side = channels, patch, image_size // patch
+        self.patch_in = nn.Linear(channels * patch * patch, d_model)
+        self.img_pos = nn.Parameter(torch.randn(1, self.side ** 2, d_model) * 0.02)
+        self.text_in = nn.Linear(d_text, d_model)
+        self.pool_in = nn.Linear(d_text, d_model)
+        self.t_mlp = nn.Sequential(nn.Linear(64, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, adaln=True) for _ in range(n_layers))
+        self.final_norm = nn.LayerNorm(d_model, elementwise_affine=False)
+        self.final_ada = nn.Linear(d_model, 2 * d_model)
+        self.out = nn.Linear(d_model, channels * patch * patch)
+        nn.init.zeros_(self.final_ada.weight)
+        nn.init.zeros_(self.final_ada.bias)
+
+    def patchify(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, p, s = x.shape[0], self.channels, self.patch, self.side
+        return x.view(b, c, s, p, s, p).permute(0, 2, 4, 1, 3, 5).reshape(b, s * s, c * p * p)
+
+    def unpatchify(self, t: torch.Tensor) -> torch.Tensor:
+        b, c, p, s = t.shape[0], self.channels, self.patch, self.side
+        return t.view(b, s, s, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, s * p, s * p)
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, text: torch.Tensor, text_pad: torch.Tensor):
+        keep = (~text_pad).float()[..., None]
+        pooled = (text * keep).sum(1) / keep.sum(1).clamp(min=1.0)
+        cond = self.t_mlp(timestep_embedding(sigma, 64)) + self.pool_in(pooled)
+        img = self.patch_in(self.patchify(x)) + self.img_pos
+        tokens = torch.cat([self.text_in(text), img], 1)
+        pad = torch.cat([text_pad, torch.zeros(img.shape[:2], dtype=torch.bool)], 1)
+        allowed = padding_mask(pad)
+        for block in self.blocks:
+            tokens = block(tokens, allowed, cond)
+        shift, scale = self.final_ada(cond)[:, None].chunk(2, dim=-1)
+        img = self.final_norm(tokens[:, text.shape[1]:]) * (1 + scale) + shift
+        return self.unpatchify(self.out(img))

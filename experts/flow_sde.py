@@ -1,0 +1,61 @@
+"""Flow-GRPO's SDE sampler for a rectified-flow model, with per-step Gaussian log-probs.
+
+Convention (SD3): x_sigma = (1 - sigma) x_data + sigma noise, sampled from sigma = 1 down to 0.
+With Delta = sigma_next - sigma < 0 and noise level a:
+    std_t = a * sqrt(sigma / (1 - sigma))
+    mean  = x (1 + std_t^2 Delta / (2 sigma)) + v (1 + std_t^2 (1 - sigma) / (2 sigma)) Delta
+    x_next = mean + std_t sqrt(-Delta) eps
+At sigma = 1 the denominator uses the next sigma instead (as Flow-GRPO does), keeping std finite.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sigma_schedule(steps: int) -> torch.Tensor:
+    return torch.linspace(1.0, 0.0, steps + 1)
+
+
+def sde_mean_std(x, v, sigma, sigma_next, noise_level: float, sigma_max: float):
+    """Mean and standard deviation of the Gaussian transition x -> x_next (sigma broadcastable)."""
+    delta = sigma_next - sigma
+    denom = torch.where(sigma >= 1.0, torch.full_like(sigma, sigma_max), sigma)
+    std_t = noise_level * torch.sqrt(sigma / (1 - denom))
+    mean = x * (1 + std_t ** 2 * delta / (2 * sigma)) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * delta
+    return mean, std_t * torch.sqrt(-delta)
+
+
+def gaussian_logp(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Log-density of x_next under N(mean, std^2), averaged over all but the batch dimension."""
+    lp = -((x_next - mean) ** 2) / (2 * std ** 2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return lp.flatten(1).mean(1)
+
+
+def _bcast(s: torch.Tensor, n: int) -> torch.Tensor:
+    return s.expand(n).view(n, 1, 1, 1)
+
+
+@torch.no_grad()
+def sample(model, text, text_pad, noise: torch.Tensor, noise_level: float, sde: bool = True):
+    """Integrate from noise[:, 0] to an image; `noise` (B, T+1, C, H, W) holds every Gaussian draw.
+
+    Returns the states (B, T+1, C, H, W) and, for the SDE, per-step log-probs (B, T) (else zeros).
+    """
+    b, steps = noise.shape[0], noise.shape[1] - 1
+    sigmas = sigma_schedule(steps)
+    x = noise[:, 0]
+    states, logps = [x], []
+    for t in range(steps):
+        s, s_next = _bcast(sigmas[t], b), _bcast(sigmas[t + 1], b)
+        v = model(x, sigmas[t].expand(b), text, text_pad)
+        if sde:
+            mean, std = sde_mean_std(x, v, s, s_next, noise_level, float(sigmas[1]))
+            x = mean + std * noise[:, t + 1]
+            logps.append(gaussian_logp(x, mean, std))
+        else:
+            x = x + v * (s_next - s)
+            logps.append(torch.zeros(b))
+        states.append(x)
+    return torch.stack(states, 1), torch.stack(logps, 1)

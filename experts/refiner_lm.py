@@ -1,0 +1,79 @@
+"""A tiny causal-transformer refiner LM over the task's word vocabulary.
+
+The refiner interface the driver relies on is two methods, so a Hugging Face causal LM can stand
+behind it later: `sample` (tokens and their log-probs under the sampling temperature) and
+`token_logprobs` (the same log-probs recomputed with gradients, for the update).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from experts.layers import Block, causal_mask
+from tasks.shapes import BOS, EOS, PAD, SEP
+
+
+def left_pad(seqs: list[list[int]]) -> torch.Tensor:
+    n = max(len(s) for s in seqs)
+    return torch.tensor([[PAD] * (n - len(s)) + list(s) for s in seqs], dtype=torch.long)
+
+
+class TinyCausalLM(nn.Module):
+    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_len: int,
+                 max_new_tokens: int, temperature: float):
+        super().__init__()
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+        banned = torch.zeros(vocab_size, dtype=torch.bool)
+        banned[[PAD, BOS, SEP]] = True
+        self.register_buffer("banned", banned, persistent=False)
+
+    def logprobs(self, seq: torch.Tensor) -> torch.Tensor:
+        """Next-token log-probs (B, L, V) at every position of left-padded `seq`, at temperature."""
+        pad = seq == PAD
+        pos = ((~pad).cumsum(1) - 1).clamp(min=0)
+        x = self.tok(seq) + self.pos(pos)
+        allowed = causal_mask(pad)
+        for block in self.blocks:
+            x = block(x, allowed)
+        logits = self.head(self.norm(x)) / self.temperature
+        return F.log_softmax(logits.masked_fill(self.banned, float("-inf")), dim=-1)
+
+    @staticmethod
+    def context(prompts: list[list[int]]) -> torch.Tensor:
+        return left_pad([[BOS, *p, SEP] for p in prompts])
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]], uniforms: torch.Tensor):
+        """Sample up to max_new_tokens per prompt by inverse CDF of `uniforms` (B, M).
+
+        Returns tokens (B, M) with PAD after EOS, their log-probs (B, M) and a validity mask (B, M).
+        """
+        seq = self.context(prompts)
+        b, m = len(prompts), self.max_new_tokens
+        done = torch.zeros(b, dtype=torch.bool)
+        tokens, logps, mask = [], [], []
+        for j in range(m):
+            lp = self.logprobs(seq)[:, -1]
+            cdf = lp.exp().cumsum(-1)
+            tok = torch.searchsorted(cdf, uniforms[:, j:j + 1] * cdf[:, -1:]).squeeze(1).clamp(max=lp.shape[-1] - 1)
+            valid = ~done
+            tok = torch.where(valid, tok, torch.full_like(tok, PAD))
+            tokens.append(tok)
+            logps.append(torch.where(valid, lp.gather(1, tok[:, None]).squeeze(1), torch.zeros(b)))
+            mask.append(valid)
+            done = done | (tok == EOS)
+            seq = torch.cat([seq, tok[:, None]], 1)
+        return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(mask, 1)
+
+    def token_logprobs(self, prompts: list[list[int]], tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs (B, M) of the sampled `tokens` given their prompts, with gradients."""
+        ctx = self.context(prompts)
+        seq = torch.cat([ctx, tokens], 1)
+        lp = self.logprobs(seq)[:, ctx.shape[1] - 1:-1]
+        return torch.where(tokens == PAD, 0.0, lp.gather(2, tokens[:, :, None]).squeeze(2))

@@ -1,0 +1,226 @@
+"""The embedded `shapes` world: vocabulary, prompts with clause metadata, a renderer and a detector.
+
+Everything a joint prompt-refiner + generator run needs, small enough for two CPU cores: prompts in
+GenEval-like categories, procedurally rendered ground truth, and a programmatic detector that scores
+an image against the *original* prompt's clauses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SPECIAL = ["<pad>", "<bos>", "<eos>", "<sep>"]
+PAD, BOS, EOS, SEP = range(4)
+
+PALETTE = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (40, 80, 230),
+    "yellow": (230, 210, 40),
+    "purple": (160, 60, 200),
+    "orange": (245, 140, 30),
+}
+SHAPES = ("circle", "square", "triangle")
+COUNT_WORDS = {"one": 1, "two": 2, "three": 3}
+RELATIONS = ("left", "right", "above", "below")
+STYLE_WORDS = ("large", "small", "bright", "sharp", "clean", "detailed", "centered", "simple",
+               "bold", "vivid", "plain", "background", "black", "photo", "image", "showing")
+GLUE_WORDS = ("a", "an", "and", "of", "the", "with", "to", "on", "picture")
+
+VOCAB: list[str] = (SPECIAL + list(PALETTE) + list(SHAPES) + [s + "s" for s in SHAPES]
+                    + list(COUNT_WORDS) + list(RELATIONS) + list(STYLE_WORDS) + list(GLUE_WORDS))
+WORD_TO_ID = {w: i for i, w in enumerate(VOCAB)}
+MAX_PROMPT_WORDS = 16
+CATEGORIES = ("single_object", "two_objects", "counting", "colors", "position", "color_attr")
+
+
+def encode_words(words: list[str]) -> list[int]:
+    """Word ids for a prompt's `words`; an empty, over-long or unknown-word prompt is an error."""
+    if not words or len(words) > MAX_PROMPT_WORDS:
+        raise ValueError(f"a prompt needs 1 to {MAX_PROMPT_WORDS} words, got {len(words)}: {' '.join(words)!r}")
+    unknown = [w for w in words if w not in WORD_TO_ID]
+    if unknown:
+        raise ValueError(f"words outside the shapes vocabulary: {unknown}")
+    return [WORD_TO_ID[w] for w in words]
+
+
+def decode_ids(ids) -> list[str]:
+    return [VOCAB[i] for i in ids if i not in (PAD, BOS, EOS, SEP)]
+
+
+@dataclass(frozen=True)
+class ObjectClause:
+    shape: str
+    colour: str
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's text and the clauses the detector checks it against."""
+    text: str
+    category: str
+    objects: tuple[ObjectClause, ...]
+    relation: str | None = None  # objects[0] is <relation> of objects[1]
+    ids: tuple[int, ...] = field(default=(), compare=False)
+
+    @staticmethod
+    def make(text: str, category: str, objects, relation=None) -> "Prompt":
+        return Prompt(text, category, tuple(objects), relation, tuple(encode_words(text.split())))
+
+
+def _noun(obj: ObjectClause, terse: bool) -> str:
+    shape = obj.shape + ("s" if obj.count > 1 else "")
+    if obj.count > 1:
+        count = [w for w, n in COUNT_WORDS.items() if n == obj.count][0]
+        return f"{count} {obj.colour} {shape}"
+    return f"{obj.colour} {shape}" if terse else f"a {obj.colour} {shape}"
+
+
+def make_prompt(category: str, rng: np.random.Generator, terse: bool = False) -> Prompt:
+    colours = list(PALETTE)
+    c1, c2 = rng.choice(colours, size=2, replace=False)
+    s1, s2 = rng.choice(SHAPES, size=2, replace=True)
+    if category in ("single_object", "colors"):
+        obj = ObjectClause(str(s1), str(c1))
+        text = _noun(obj, terse) if category == "single_object" or terse else f"a photo of a {c1} {s1}"
+        return Prompt.make(text, category, [obj])
+    if category == "counting":
+        obj = ObjectClause(str(s1), str(c1), int(rng.integers(2, 4)))
+        return Prompt.make(_noun(obj, terse), category, [obj])
+    a, b = ObjectClause(str(s1), str(c1)), ObjectClause(str(s2), str(c2))
+    if category == "position":
+        rel = str(rng.choice(RELATIONS))
+        link = f"{rel} of" if rel in ("left", "right") else rel
+        return Prompt.make(f"{_noun(a, terse)} {link} {_noun(b, terse)}", category, [a, b], rel)
+    return Prompt.make(f"{_noun(a, terse)} and {_noun(b, terse)}", category, [a, b])
+
+
+def prompt_set(n: int, seed: int) -> list[Prompt]:
+    """`n` prompts cycling through the categories, in terse and full forms, from `seed` alone."""
+    rng = np.random.default_rng(seed)
+    return [make_prompt(CATEGORIES[i % len(CATEGORIES)], rng, terse=bool(i % 2)) for i in range(n)]
+
+
+# --- rendering ---------------------------------------------------------------------------------- #
+
+def _mask(shape: str, cx: float, cy: float, r: float, size: int) -> np.ndarray:
+    yy, xx = np.mgrid[0:size, 0:size] + 0.5
+    if shape == "circle":
+        return (xx - cx) ** 2 + (yy - cy) ** 2 <= r * r
+    if shape == "square":
+        return (np.abs(xx - cx) <= r * 0.85) & (np.abs(yy - cy) <= r * 0.85)
+    top, bottom = cy - r, cy + r  # upright isosceles triangle
+    half = (yy - top) / (2 * r) * r
+    return (yy >= top) & (yy <= bottom) & (np.abs(xx - cx) <= half)
+
+
+def render(prompt: Prompt, rng: np.random.Generator, size: int = 32) -> np.ndarray:
+    """A ground-truth image for `prompt`: uint8 (H, W, 3) on a black background."""
+    img = np.zeros((size, size, 3), np.uint8)
+    r = size / 8
+    slots = _slots(prompt, size, rng)
+    for obj, centres in zip(prompt.objects, slots):
+        for cx, cy in centres:
+            img[_mask(obj.shape, cx, cy, r, size)] = PALETTE[obj.colour]
+    return img
+
+
+def _slots(prompt: Prompt, size: int, rng: np.random.Generator) -> list[list[tuple[float, float]]]:
+    """Object centres on a 3x3 grid of cells, honouring the prompt's relation."""
+    cell = size / 3
+    centre = lambda i, j: ((i + 0.5) * cell + rng.uniform(-1, 1), (j + 0.5) * cell + rng.uniform(-1, 1))
+    cells = [(i, j) for i in range(3) for j in range(3)]
+    if prompt.relation:
+        pairs = {"left": ((0, 1), (2, 1)), "right": ((2, 1), (0, 1)),
+                 "above": ((1, 0), (1, 2)), "below": ((1, 2), (1, 0))}[prompt.relation]
+        return [[centre(*pairs[0])], [centre(*pairs[1])]]
+    order = rng.permutation(len(cells))
+    out, k = [], 0
+    for obj in prompt.objects:
+        out.append([centre(*cells[order[k + n]]) for n in range(obj.count)])
+        k += obj.count
+    return out
+
+
+# --- detection ---------------------------------------------------------------------------------- #
+
+@dataclass(frozen=True)
+class Blob:
+    colour: str
+    shape: str
+    area: int
+    cx: float
+    cy: float
+
+
+def to_uint8(image: np.ndarray) -> np.ndarray:
+    """A generator image in [-1, 1], (3, H, W), as uint8 (H, W, 3)."""
+    return np.clip((image.transpose(1, 2, 0) + 1) * 127.5, 0, 255).astype(np.uint8)
+
+
+def colour_map(img: np.ndarray, tolerance: float = 70.0) -> np.ndarray:
+    """Per pixel, the index of the nearest palette colour within `tolerance`, else -1."""
+    pal = np.array(list(PALETTE.values()), np.float32)
+    dist = np.linalg.norm(img[:, :, None, :].astype(np.float32) - pal[None, None], axis=-1)
+    idx = dist.argmin(-1)
+    idx[dist.min(-1) > tolerance] = -1
+    return idx
+
+
+def detect(img: np.ndarray, min_area: int = 6) -> list[Blob]:
+    """Connected components (4-neighbour) per palette colour, each classified by its fill ratio."""
+    cmap = colour_map(img)
+    h, w = cmap.shape
+    seen = np.zeros_like(cmap, bool)
+    names = list(PALETTE)
+    blobs = []
+    for y0 in range(h):
+        for x0 in range(w):
+            if cmap[y0, x0] < 0 or seen[y0, x0]:
+                continue
+            c, stack, pix = cmap[y0, x0], [(y0, x0)], []
+            seen[y0, x0] = True
+            while stack:
+                y, x = stack.pop()
+                pix.append((y, x))
+                for ny, nx in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
+                    if 0 <= ny < h and 0 <= nx < w and not seen[ny, nx] and cmap[ny, nx] == c:
+                        seen[ny, nx] = True
+                        stack.append((ny, nx))
+            if len(pix) < min_area:
+                continue
+            ys, xs = np.array(pix).T
+            fill = len(pix) / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))
+            shape = "square" if fill > 0.88 else "circle" if fill > 0.65 else "triangle"
+            blobs.append(Blob(names[c], shape, len(pix), xs.mean() + 0.5, ys.mean() + 0.5))
+    return blobs
+
+
+def _relation_holds(rel: str, a: Blob, b: Blob) -> bool:
+    return {"left": a.cx < b.cx, "right": a.cx > b.cx, "above": a.cy < b.cy, "below": a.cy > b.cy}[rel]
+
+
+def image_checks(img: np.ndarray, prompt: Prompt) -> list[float]:
+    """GenEval-style checks of `img` against `prompt`, each in [0, 1]. Strict accuracy = all are 1."""
+    blobs = detect(img)
+    cmap = colour_map(img)
+    expected_area = np.pi * (img.shape[0] / 8) ** 2
+    checks = []
+    for obj in prompt.objects:
+        mine = [b for b in blobs if b.colour == obj.colour]
+        cover = (cmap == list(PALETTE).index(obj.colour)).sum() / (expected_area * obj.count)
+        checks.append(float(min(1.0, cover)))                                  # colour present
+        checks.append(min(1.0, sum(b.shape == obj.shape for b in mine) / obj.count))  # shape right
+        checks.append(float(len(mine) == obj.count))                          # count exact
+    if prompt.relation:
+        a = [b for b in blobs if b.colour == prompt.objects[0].colour]
+        b = [b for b in blobs if b.colour == prompt.objects[1].colour]
+        checks.append(float(bool(a and b) and _relation_holds(prompt.relation, max(a, key=lambda x: x.area),
+                                                             max(b, key=lambda x: x.area))))
+    return checks
+
+
+def strict_correct(img: np.ndarray, prompt: Prompt) -> bool:
+    return all(c >= 1.0 for c in image_checks(img, prompt))
