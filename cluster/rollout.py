@@ -68,7 +68,8 @@ class RolloutWorker:
         images = states[:, -1].clamp(-1, 1).numpy()
         terms = shapes_reward(images, [it["prompt"] for it in items], refinements, self.owners)
         hits, misses = self.encoder.take_stats()
-        meta = {"sample": [it["sample"] for it in items], "terms": terms, "versions": self.version_vector(),
+        versions = self.version_vector()
+        meta = {"sample": [it["sample"] for it in items], "terms": terms, "versions": [versions] * len(items),
                 "refinements": [{e: " ".join(r.words) for e, r in refs.items()} for refs in refinements],
                 "cache_hits": hits, "cache_misses": misses}
         trajectories = {"states": states.numpy(), "logps": logps.numpy(), "text": text.numpy(),

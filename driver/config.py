@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Literal
@@ -222,13 +223,6 @@ def _set(tree: dict, dotted: str, value) -> None:
     node[keys[-1]] = value
 
 
-def _deep_merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def parse_override(item: str) -> tuple[str, object]:
     if "=" not in item:
         raise ConfigError(f"invalid --set '{item}': expected dotted.key=value")
@@ -243,7 +237,7 @@ def parse_override(item: str) -> tuple[str, object]:
 def load_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
     """Resolve a preset name or YAML path plus `dotted.key=value` overrides into a Config."""
     if source in PRESETS:
-        tree = _deep_merge({}, PRESETS[source])
+        tree = copy.deepcopy(PRESETS[source])
     elif Path(source).is_file():
         try:
             tree = yaml.safe_load(Path(source).read_text()) or {}

@@ -59,6 +59,7 @@ class DriverActor:
         shards = [list(s) for s in np.array_split(np.array(items, dtype=object), len(self.workers))]
         outs = [w.rollout.options(num_returns=3).remote(step, s) for w, s in zip(self.workers, shards)]
         metas = get([o[0] for o in outs])
+        self.check_versions(step, [v for m in metas for v in m["versions"]])
         terms = {t: np.concatenate([m["terms"][t] for m in metas]) for t in metas[0]["terms"]}
         groups = np.array([it["group"] for it in items])
         refined = np.array([it["refine"] for it in items])
@@ -80,6 +81,14 @@ class DriverActor:
                     "time/sync_s": sync_s, "time/step_s": time.perf_counter() - start})
         return row
 
+    def check_versions(self, step: int, vectors: list[dict]) -> None:
+        """Synchronous training: every sample must come from the versions published so far."""
+        for v in vectors:
+            stale = {e: v[e] for e in self.expert_ids if v[e] != self.versions[e]}
+            if stale:
+                raise RuntimeError(f"step {step}: samples made with stale weights {stale}, "
+                                   f"expected {self.versions}")
+
     def metrics_row(self, step, terms, refined, metas, stats) -> dict:
         cfg = self.config
         row = {"step": step, "n_experts": len(self.expert_ids), "credit": cfg.algorithm.credit,
@@ -89,7 +98,7 @@ class DriverActor:
         for i, r in enumerate(cfg.experts.refiners):
             row[f"reward/refiner_{i}"] = float(np.mean([terms[t][refined].mean() for t in r.owns]))
         row.update({f"version/{e}": v for e, v in self.versions.items()})
-        row["version/text_encoder"] = metas[0]["versions"]["text_encoder"]
+        row["version/text_encoder"] = metas[0]["versions"][0]["text_encoder"]
         for e, s in stats.items():
             row[f"loss/{e}"], row[f"kl/{e}"] = s["loss"], s["kl"]
         if "generator" in stats:

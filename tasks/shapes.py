@@ -23,6 +23,7 @@ PALETTE = {
 }
 SHAPES = ("circle", "square", "triangle")
 COUNT_WORDS = {"one": 1, "two": 2, "three": 3}
+SHAPE_AREA = {"circle": np.pi, "square": 1.7 ** 2, "triangle": 2.0}  # in units of radius^2, as rendered
 RELATIONS = ("left", "right", "above", "below")
 STYLE_WORDS = ("large", "small", "bright", "sharp", "clean", "detailed", "centered", "simple",
                "bold", "vivid", "plain", "background", "black", "photo", "image", "showing")
@@ -192,10 +193,18 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Blob]:
             if len(pix) < min_area:
                 continue
             ys, xs = np.array(pix).T
-            fill = len(pix) / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))
-            shape = "square" if fill > 0.88 else "circle" if fill > 0.65 else "triangle"
-            blobs.append(Blob(names[c], shape, len(pix), xs.mean() + 0.5, ys.mean() + 0.5))
+            blobs.append(Blob(names[c], classify(ys, xs), len(pix), xs.mean() + 0.5, ys.mean() + 0.5))
     return blobs
+
+
+def classify(ys: np.ndarray, xs: np.ndarray) -> str:
+    """Shape of a component from its fill of the bounding box and whether the box corners are filled."""
+    fill = len(ys) / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))
+    filled = set(zip(ys.tolist(), xs.tolist()))
+    corners = [(y, x) in filled for y in (ys.min(), ys.max()) for x in (xs.min(), xs.max())]
+    if fill < 0.65:
+        return "triangle"
+    return "square" if all(corners) and fill > 0.8 else "circle"
 
 
 def _relation_holds(rel: str, a: Blob, b: Blob) -> bool:
@@ -206,11 +215,12 @@ def image_checks(img: np.ndarray, prompt: Prompt) -> list[float]:
     """GenEval-style checks of `img` against `prompt`, each in [0, 1]. Strict accuracy = all are 1."""
     blobs = detect(img)
     cmap = colour_map(img)
-    expected_area = np.pi * (img.shape[0] / 8) ** 2
+    radius = img.shape[0] / 8
     checks = []
     for obj in prompt.objects:
         mine = [b for b in blobs if b.colour == obj.colour]
-        cover = (cmap == list(PALETTE).index(obj.colour)).sum() / (expected_area * obj.count)
+        expected = 0.75 * SHAPE_AREA[obj.shape] * radius ** 2 * obj.count  # 0.75: pixel-grid slack
+        cover = (cmap == list(PALETTE).index(obj.colour)).sum() / expected
         checks.append(float(min(1.0, cover)))                                  # colour present
         checks.append(min(1.0, sum(b.shape == obj.shape for b in mine) / obj.count))  # shape right
         checks.append(float(len(mine) == obj.count))                          # count exact
