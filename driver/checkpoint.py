@@ -27,7 +27,3 @@ def save(run_dir: Path, step: int, states: dict[str, dict]) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
-
-
-def load_expert(path: Path) -> dict:
-    return torch.load(path, weights_only=True)

@@ -9,7 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from driver.config import Config, ConfigError, dump_config, load_config
+from driver.metrics import progress_line
 
 
 def parse_args(argv):
@@ -39,13 +42,11 @@ class Progress:
     """A live progress line on a terminal; one plain line per step otherwise (CI, job logs)."""
 
     def __init__(self, total: int):
-        from tqdm import tqdm
         self.tty = sys.stderr.isatty()
         self.bar = tqdm(total=total, unit="step", dynamic_ncols=True) if self.tty else None
         self.total = total
 
     def __call__(self, row: dict) -> None:
-        from driver.metrics import progress_line
         if self.bar is not None:
             self.bar.set_postfix_str(progress_line(row), refresh=False)
             self.bar.update(1)
@@ -96,7 +97,12 @@ def main(argv=None) -> int:
         return 2
     print(f"jointrl: run '{config.trainer.run_name}' in {run_dir} ({config.cluster.mode} mode, "
           f"{config.experts.n_refiners} refiners + generator, credit={config.algorithm.credit})", flush=True)
-    summary = train(config, run_dir)
+    try:
+        summary = train(config, run_dir)
+    except Exception as e:  # the run dir keeps whatever was written: metrics so far, checkpoints
+        cause = getattr(e, "cause", None) or e
+        print(f"jointrl: training failed: {type(cause).__name__}: {cause}\n  run dir: {run_dir}", file=sys.stderr)
+        return 1
     print(f"jointrl: done, {summary['steps']} steps, final reward/total={summary['last']['reward/total']:.3f}\n"
           f"  run dir:     {run_dir}\n  metrics:     {run_dir / 'metrics.jsonl'}\n"
           f"  config:      {run_dir / 'config.yaml'}\n  checkpoints: {run_dir / 'checkpoints'}", flush=True)

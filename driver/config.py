@@ -65,6 +65,12 @@ class GeneratorConfig(Strict):
     init: str | None = None                   # a checkpoint to start from (pretrained base)
     model: TinyDiTConfig = TinyDiTConfig()
 
+    @model_validator(mode="after")
+    def _init_exists(self):
+        if self.init is not None and not Path(self.init).is_file():
+            raise ValueError(f"init: no checkpoint file at '{self.init}'")
+        return self
+
 
 class TextEncoderConfig(Strict):
     d_model: PositiveInt = 64

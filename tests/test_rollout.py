@@ -63,3 +63,21 @@ def test_expert_update_is_idempotent_by_step():
     again = gen.update(0, adv, traj)
     assert again == first and gen.version == 1
     assert all(np.array_equal(weights[k], v) for k, v in gen.weights().items())
+
+
+def test_generator_starts_from_an_init_checkpoint(tmp_path):
+    import pytest
+
+    from driver import checkpoint
+    trained = ExpertActor(CFG, "generator")
+    worker, _ = _synced_worker()
+    _, _, traj = worker.rollout(0, _items())
+    trained.update(0, np.linspace(-1, 1, len(traj["logps"])), traj)
+    path = checkpoint.save(tmp_path, 1, {"generator": trained.state()}) / "generator.pt"
+    cfg = make_config("experts.n_refiners=2", f"experts.generator.init={path}", preset="shapes-tiny")
+    started = ExpertActor(cfg, "generator")
+    assert all(np.array_equal(v, trained.weights()[k]) for k, v in started.weights().items())
+    assert started.version == 0  # a new run's version counts from 0
+    bad = make_config("experts.n_refiners=2", f"experts.generator.init={tmp_path / 'nope.pt'}", preset="shapes-tiny")
+    with pytest.raises(ValueError, match="experts.generator.init"):
+        ExpertActor(bad, "generator")
