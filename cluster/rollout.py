@@ -14,7 +14,7 @@ from experts.build import build_model
 from experts.flow_sde import sample
 from experts.seeding import generator
 from experts.text_encoder import CachedEncoder
-from tasks.reward import Refinement, shapes_reward
+from tasks.reward import Refinement, shapes_reward, total_reward
 from tasks.shapes import BOS, EOS, PAD, SEP, decode_ids
 
 
@@ -41,37 +41,81 @@ class RolloutWorker:
         missing = [e for e, v in self.versions.items() if v is None]
         if missing:
             raise RuntimeError(f"rollout/{self.index} has no weights for {missing}; sync first")
-        seed = self.config.trainer.seed
-        refined = [i for i, it in enumerate(items) if it["refine"]]
-        refinements: list[dict[str, Refinement]] = [{} for _ in items]
-        suffixes: list[list[int]] = [[] for _ in items]
-        refiner_batch = {}
-        for eid in self.refiner_ids:
-            model = self.models[eid]
-            prompts = [list(items[i]["prompt"].ids) for i in refined]
-            uniforms = torch.stack([torch.rand(model.max_new_tokens, generator=generator(
-                seed, "tokens", step, items[i]["sample"], eid)) for i in refined]) if refined else None
-            tokens, logps, mask = model.sample(prompts, uniforms) if refined else (torch.zeros(0, 0),) * 3
-            for row, i in enumerate(refined):
-                ids = [t for t in tokens[row].tolist() if t not in (PAD, EOS)]
-                refinements[i][eid] = Refinement(tuple(decode_ids(ids)), EOS in tokens[row].tolist())
-                suffixes[i] += [SEP, *ids]
-            refiner_batch[eid] = {"prompts": prompts, "tokens": tokens.numpy(), "logps": logps.numpy(),
-                                  "mask": mask.numpy()}
-        texts = [(BOS, *it["prompt"].ids, *suffixes[i]) for i, it in enumerate(items)]
-        text, text_pad = self.encoder(texts)
-        gen = self.config.experts.generator
-        size = self.config.task.image_size
-        noise = torch.stack([torch.randn((gen.sample_steps + 1, 3, size, size), generator=generator(
-            seed, "noise", step, it["sample"])) for it in items])
-        states, logps = sample(self.models["generator"], text, text_pad, noise, gen.noise_level, sde=True)
-        images = states[:, -1].clamp(-1, 1).numpy()
-        terms = shapes_reward(images, [it["prompt"] for it in items], refinements, self.owners)
+        refinements, kept_ids, refiner_batch = self.refine(step, items)
+        noise = self.noise(step, items)
+        text, text_pad = self.encoder(self.compose(items, kept_ids))
+        states, logps = sample(self.models["generator"], text, text_pad, noise,
+                               self.config.experts.generator.noise_level, sde=True)
+        terms = self.reward(states[:, -1], items, refinements)
+        counterfactual = self.counterfactual(step, items, refinements, kept_ids, noise)
         hits, misses = self.encoder.take_stats()
         versions = self.version_vector()
         meta = {"sample": [it["sample"] for it in items], "terms": terms, "versions": [versions] * len(items),
+                "counterfactual": counterfactual,
                 "refinements": [{e: " ".join(r.words) for e, r in refs.items()} for refs in refinements],
                 "cache_hits": hits, "cache_misses": misses}
         trajectories = {"states": states.numpy(), "logps": logps.numpy(), "text": text.numpy(),
                         "text_pad": text_pad.numpy()}
         return meta, refiner_batch, trajectories
+
+    def refine(self, step: int, items: list[dict]):
+        """Every refiner's tokens for the samples marked `refine`, each from its own seeded draws."""
+        seed = self.config.trainer.seed
+        refined = [i for i, it in enumerate(items) if it["refine"]]
+        prompts = [list(items[i]["prompt"].ids) for i in refined]
+        refinements: list[dict[str, Refinement]] = [{} for _ in items]
+        kept_ids: list[dict[str, list[int]]] = [{} for _ in items]
+        refiner_batch = {}
+        for eid in self.refiner_ids:
+            model = self.models[eid]
+            if not refined:
+                refiner_batch[eid] = {"prompts": []}
+                continue
+            uniforms = torch.stack([torch.rand(model.max_new_tokens, generator=generator(
+                seed, "tokens", step, items[i]["sample"], eid)) for i in refined])
+            tokens, logps, mask = model.sample(prompts, uniforms)
+            for row, i in enumerate(refined):
+                toks = tokens[row].tolist()
+                kept_ids[i][eid] = [t for t in toks if t not in (PAD, EOS)]
+                refinements[i][eid] = Refinement(tuple(decode_ids(kept_ids[i][eid])), EOS in toks)
+            refiner_batch[eid] = {"prompts": prompts, "tokens": tokens.numpy(), "logps": logps.numpy(),
+                                  "mask": mask.numpy()}
+        return refinements, kept_ids, refiner_batch
+
+    def noise(self, step: int, items: list[dict]) -> torch.Tensor:
+        """Every Gaussian draw of each sample's trajectory (B, T+1, C, H, W), seeded per sample."""
+        steps, size = self.config.experts.generator.sample_steps, self.config.task.image_size
+        return torch.stack([torch.randn((steps + 1, 3, size, size), generator=generator(
+            self.config.trainer.seed, "noise", step, it["sample"])) for it in items])
+
+    def compose(self, items: list[dict], kept_ids: list[dict], drop: str | None = None) -> list[tuple]:
+        """The encoder's input: <bos> prompt, then <sep> y_k for each refiner (except `drop`)."""
+        return [(BOS, *it["prompt"].ids, *[t for e, ids in kept.items() if e != drop for t in (SEP, *ids)])
+                for it, kept in zip(items, kept_ids)]
+
+    def reward(self, images: torch.Tensor, items: list[dict], refinements: list[dict]) -> dict:
+        return shapes_reward(images.clamp(-1, 1).numpy(), [it["prompt"] for it in items], refinements,
+                             self.owners)
+
+    def counterfactual(self, step, items, refinements, kept_ids, noise) -> dict[str, np.ndarray]:
+        """Per refiner k, R(without y_k): the total reward of the same sample regenerated from the
+        same noise with y_k dropped (NaN where not drawn; `counterfactual_fraction` bounds the cost)."""
+        algo = self.config.algorithm
+        if algo.credit != "counterfactual":
+            return {}
+        out = {}
+        for eid in self.refiner_ids:
+            rows = [i for i, it in enumerate(items) if it["refine"] and torch.rand(1, generator=generator(
+                self.config.trainer.seed, "counterfactual", step, it["sample"], eid)).item()
+                < algo.counterfactual_fraction]
+            values = np.full(len(items), np.nan)
+            if rows:
+                sub = [items[i] for i in rows]
+                text, pad = self.encoder(self.compose(sub, [kept_ids[i] for i in rows], drop=eid))
+                states, _ = sample(self.models["generator"], text, pad, noise[rows],
+                                   self.config.experts.generator.noise_level, sde=True)
+                without = [{e: r for e, r in refinements[i].items() if e != eid} for i in rows]
+                terms = self.reward(states[:, -1], sub, without)
+                values[rows] = total_reward(terms, self.config.reward.weights)
+            out[eid] = values
+        return out

@@ -119,6 +119,7 @@ class AlgorithmConfig(Strict):
     credit: Literal["shared", "per_expert", "counterfactual"] = "per_expert"
     group_size: int = Field(8, ge=2)
     num_skip_refinement: NonNegativeInt = 2
+    counterfactual_fraction: float = Field(1.0, gt=0.0, le=1.0)  # share of refined samples regenerated per refiner
     adv_clip: PositiveFloat = 5.0
     grad_clip: PositiveFloat = 1.0
 
@@ -127,8 +128,6 @@ class AlgorithmConfig(Strict):
         if self.num_skip_refinement >= self.group_size:
             raise ValueError(f"num_skip_refinement ({self.num_skip_refinement}) must be smaller than "
                              f"group_size ({self.group_size}): a group needs refined samples")
-        if self.credit == "counterfactual":
-            raise ValueError("credit=counterfactual is not available yet; use shared or per_expert")
         return self
 
 

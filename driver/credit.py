@@ -4,11 +4,15 @@ shared:      every expert uses the total reward's advantage over the whole group
              the in-group baseline, as PromptRL's retention).
 per_expert:  refiner k uses the advantage of the terms it owns, normalised over the group's samples
              that it refined; the generator always uses the total.
-counterfactual is the seam for a difference reward D_k = R - R(without y_k) (a later issue).
+counterfactual: refiner k uses the difference reward D_k = R - R(without y_k), where R(without y_k)
+             is the same sample regenerated from the same noise with y_k dropped; normalised over
+             the group's samples that have one. No hand-made decomposition of the reward is needed.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from tasks.reward import total_reward
 
 
 def group_normalise(values: np.ndarray, groups: np.ndarray, include: np.ndarray, clip: float) -> np.ndarray:
@@ -22,15 +26,13 @@ def group_normalise(values: np.ndarray, groups: np.ndarray, include: np.ndarray,
     return adv
 
 
-def total_reward(terms: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarray:
-    return sum(w * terms[t] for t, w in weights.items())
-
-
 def advantages(mode: str, terms: dict[str, np.ndarray], weights: dict[str, float], groups: np.ndarray,
-               refined: np.ndarray, owns: dict[str, list[str]], clip: float) -> dict[str, np.ndarray]:
+               refined: np.ndarray, owns: dict[str, list[str]], clip: float,
+               counterfactual: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Per expert, an advantage for every sample (refiners: nonzero only where they refined)."""
     everyone = np.ones_like(refined, dtype=bool)
-    shared = group_normalise(total_reward(terms, weights), groups, everyone, clip)
+    total = total_reward(terms, weights)
+    shared = group_normalise(total, groups, everyone, clip)
     out = {"generator": shared}
     for eid, owned in owns.items():
         if mode == "shared":
@@ -38,6 +40,10 @@ def advantages(mode: str, terms: dict[str, np.ndarray], weights: dict[str, float
         elif mode == "per_expert":
             own = total_reward(terms, {t: weights[t] for t in owned})
             out[eid] = group_normalise(own, groups, refined, clip)
+        elif mode == "counterfactual":
+            without = counterfactual[eid]
+            drawn = refined & ~np.isnan(without)
+            out[eid] = group_normalise(np.where(drawn, total - np.nan_to_num(without), 0.0), groups, drawn, clip)
         else:
             raise ValueError(f"credit mode {mode!r} is not implemented")
     return out

@@ -15,7 +15,8 @@ from cluster.rollout import RolloutWorker
 from cluster.runtime import Runtime, get
 from cluster.weight_sync import WeightSyncActor
 from driver import checkpoint
-from driver.credit import advantages, total_reward
+from driver.credit import advantages
+from tasks.reward import total_reward
 from driver.metrics import MetricsLog
 from experts.actor import ExpertActor
 from experts.seeding import derive_seed
@@ -64,8 +65,10 @@ class DriverActor:
         groups = np.array([it["group"] for it in items])
         refined = np.array([it["refine"] for it in items])
         owns = {f"refiner_{i}": r.owns for i, r in enumerate(self.config.experts.refiners)}
+        counterfactual = {e: np.concatenate([m["counterfactual"][e] for m in metas])
+                          for e in metas[0]["counterfactual"]}
         adv = advantages(self.config.algorithm.credit, terms, self.config.reward.weights, groups, refined,
-                         owns, self.config.algorithm.adv_clip)
+                         owns, self.config.algorithm.adv_clip, counterfactual)
         t_update = time.perf_counter()
         due = [e for e in self.trained if step % self.config.expert(e).update_every == 0]
         calls = {e: self.experts[e].update.remote(
@@ -77,6 +80,11 @@ class DriverActor:
         t_sync = time.perf_counter()
         sync_s = self.publish(due)
         row = self.metrics_row(step, terms, refined, metas, stats)
+        for e, without in counterfactual.items():
+            drawn = ~np.isnan(without)
+            row[f"counterfactual/{e}"] = float(np.mean(total_reward(terms, self.config.reward.weights)[drawn]
+                                                       - without[drawn])) if drawn.any() else 0.0
+        row["counterfactual/generations"] = int(sum((~np.isnan(v)).sum() for v in counterfactual.values()))
         row.update({"time/rollout_s": t_update - start, "time/update_s": t_sync - t_update,
                     "time/sync_s": sync_s, "time/step_s": time.perf_counter() - start})
         return row

@@ -33,8 +33,9 @@ def fidelity(words: tuple[str, ...], prompt: Prompt) -> float:
 
 
 def style(words: tuple[str, ...]) -> float:
-    """Distinct quality words, three for full credit."""
-    return min(1.0, len(set(words) & set(STYLE_WORDS)) / 3)
+    """Quality words: three distinct ones for full credit, diluted by every other word."""
+    n_style = sum(w in STYLE_WORDS for w in words)
+    return min(1.0, len(set(words) & set(STYLE_WORDS)) / 3) * n_style / len(words)
 
 
 def format_term(ref: Refinement) -> float:
@@ -58,6 +59,11 @@ def text_scores(prompt: Prompt, refinements: dict[str, Refinement], owners: dict
         out[term] = {"fidelity": lambda: fidelity(ref.words, prompt), "style": lambda: style(ref.words),
                      "format": lambda: format_term(ref)}[term]() if ref.words else 0.0
     return out
+
+
+def total_reward(terms: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarray:
+    """The scalar reward: the weighted sum of the named terms."""
+    return sum(w * terms[t] for t, w in weights.items())
 
 
 def shapes_reward(images: np.ndarray, prompts: list[Prompt], refinements: list[dict[str, Refinement]],

@@ -78,6 +78,61 @@ def test_generator_starts_from_an_init_checkpoint(tmp_path):
     started = ExpertActor(cfg, "generator")
     assert all(np.array_equal(v, trained.weights()[k]) for k, v in started.weights().items())
     assert started.version == 0  # a new run's version counts from 0
-    bad = make_config("experts.n_refiners=2", f"experts.generator.init={tmp_path / 'nope.pt'}", preset="shapes-tiny")
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(path.read_bytes()[:100])
+    bad = make_config("experts.n_refiners=2", f"experts.generator.init={corrupt}", preset="shapes-tiny")
     with pytest.raises(ValueError, match="experts.generator.init"):
         ExpertActor(bad, "generator")
+
+
+def _counterfactual_worker(*overrides):
+    cfg = make_config("experts.n_refiners=2", "algorithm.credit=counterfactual", *overrides, preset="shapes-tiny")
+    worker = RolloutWorker(cfg, 0)
+    for e in cfg.experts.ids():
+        worker.load_weights(e, 0, ExpertActor(cfg, e).weights())
+    return cfg, worker
+
+
+def test_counterfactual_of_an_empty_refinement_is_the_sample_itself():
+    import torch
+
+    from tasks.shapes import EOS
+    cfg, worker = _counterfactual_worker()
+    head = worker.models["refiner_1"].head
+    with torch.no_grad():  # refiner_1 always stops at once: y_1 is empty
+        head.bias.fill_(-1e4)
+        head.bias[EOS] = 1e4
+    meta, _, _ = worker.rollout(0, _items())
+    refined = np.array([it["refine"] for it in _items()])
+    total = sum(w * meta["terms"][t] for t, w in cfg.reward.weights.items())
+    assert all(r["refiner_1"] == "" for r, f in zip(meta["refinements"], refined) if f)
+    np.testing.assert_array_equal(meta["counterfactual"]["refiner_1"][refined], total[refined])
+    assert np.isnan(meta["counterfactual"]["refiner_1"][~refined]).all()
+    assert not np.allclose(meta["counterfactual"]["refiner_0"][refined], total[refined])
+
+
+def test_refiner_that_cannot_change_the_image_gets_zero_counterfactual_advantage():
+    import torch
+
+    from driver.credit import advantages
+    cfg, worker = _counterfactual_worker("reward.weights={image: 1.0}", "experts.refiner_0.owns=[image]",
+                                         "experts.refiner_1.owns=[image]")
+    with torch.no_grad():  # a generator whose velocity is 0 whatever the text: images ignore refinements
+        worker.models["generator"].out.weight.zero_()
+        worker.models["generator"].out.bias.zero_()
+    items = _items()
+    meta, _, _ = worker.rollout(0, items)
+    groups, refined = np.array([it["group"] for it in items]), np.array([it["refine"] for it in items])
+    adv = advantages("counterfactual", meta["terms"], cfg.reward.weights, groups, refined,
+                     {"refiner_0": ["image"], "refiner_1": ["image"]}, 5.0, meta["counterfactual"])
+    assert np.array_equal(adv["refiner_0"], np.zeros(len(items)))
+    assert np.array_equal(adv["refiner_1"], np.zeros(len(items)))
+
+
+def test_counterfactual_fraction_bounds_the_extra_generations():
+    _, worker = _counterfactual_worker("algorithm.counterfactual_fraction=0.5")
+    items = _items(n_groups=6)
+    meta, _, _ = worker.rollout(0, items)
+    drawn = sum((~np.isnan(v)).sum() for v in meta["counterfactual"].values())
+    n_refined = sum(it["refine"] for it in items)
+    assert 0 < drawn < 2 * n_refined
