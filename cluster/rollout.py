@@ -15,7 +15,7 @@ from experts.flow_sde import sample
 from experts.seeding import generator
 from experts.text_encoder import CachedEncoder
 from tasks.reward import Refinement, shapes_reward, total_reward
-from tasks.shapes import BOS, EOS, PAD, SEP, decode_ids
+from tasks.shapes import BOS, EOS, PAD, SEP, decode_ids, strict_correct, to_uint8
 
 
 class RolloutWorker:
@@ -58,7 +58,19 @@ class RolloutWorker:
                         "text_pad": text_pad.numpy()}
         return meta, refiner_batch, trajectories
 
-    def refine(self, step: int, items: list[dict]):
+    def evaluate(self, prompts: list, refine: bool) -> dict:
+        """Strict correctness of one ODE sample per prompt (refined by every refiner if `refine`)."""
+        items = [{"sample": i, "prompt": p, "refine": refine} for i, p in enumerate(prompts)]
+        refinements, kept_ids, _ = self.refine("eval", items)
+        text, text_pad = self.encoder(self.compose(items, kept_ids))
+        states, _ = sample(self.models["generator"], text, text_pad, self.noise("eval", items),
+                           self.config.experts.generator.noise_level, sde=False)
+        images = states[:, -1].clamp(-1, 1).numpy()
+        return {"correct": [strict_correct(to_uint8(im), p) for im, p in zip(images, prompts)],
+                "images": images,
+                "refinements": [{e: " ".join(r.words) for e, r in refs.items()} for refs in refinements]}
+
+    def refine(self, step, items: list[dict]):
         """Every refiner's tokens for the samples marked `refine`, each from its own seeded draws."""
         seed = self.config.trainer.seed
         refined = [i for i, it in enumerate(items) if it["refine"]]
@@ -82,7 +94,7 @@ class RolloutWorker:
                                   "mask": mask.numpy()}
         return refinements, kept_ids, refiner_batch
 
-    def noise(self, step: int, items: list[dict]) -> torch.Tensor:
+    def noise(self, step, items: list[dict]) -> torch.Tensor:
         """Every Gaussian draw of each sample's trajectory (B, T+1, C, H, W), seeded per sample."""
         steps, size = self.config.experts.generator.sample_steps, self.config.task.image_size
         return torch.stack([torch.randn((steps + 1, 3, size, size), generator=generator(

@@ -23,6 +23,8 @@ def parse_args(argv):
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set trainer.steps=40 (repeatable)")
     t.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go")
+    e = sub.add_parser("eval", help="strict accuracy per category on held-out and paraphrased prompts")
+    e.add_argument("--run", required=True, help="a run directory (its latest checkpoint is evaluated)")
     return p.parse_args(argv)
 
 
@@ -87,8 +89,21 @@ def train(config: Config, run_dir: Path) -> dict:
             ray.shutdown()
 
 
+def evaluate(run: str) -> int:
+    from driver.evaluate import evaluate_run, table
+    try:
+        report = evaluate_run(Path(run))
+    except ConfigError as e:
+        print(f"jointrl: {e}", file=sys.stderr)
+        return 2
+    print(f"jointrl: strict accuracy of {report['checkpoint']}\n{table(report)}\n  written to {Path(run) / 'eval.json'}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "eval":
+        return evaluate(args.run)
     try:
         config = load_config(args.config, args.overrides)
         run_dir = prepare_run(config, args.run_dir, args.config)

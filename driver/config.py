@@ -157,6 +157,12 @@ class RewardConfig(Strict):
         return self
 
 
+class EvaluationConfig(Strict):
+    per_category: PositiveInt = 20           # held-out prompts per GenEval category
+    seed: int = 1234                         # the held-out set is fixed by this seed, not the run's
+    refine: bool = True                      # refine eval prompts with the trained refiners
+
+
 class TaskConfig(Strict):
     name: Literal["shapes"] = "shapes"
     image_size: PositiveInt = 32
@@ -169,6 +175,7 @@ class Config(Strict):
     cluster: ClusterConfig = ClusterConfig()
     reward: RewardConfig = RewardConfig()
     task: TaskConfig = TaskConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
 
     @model_validator(mode="after")
     def _owned_terms(self):

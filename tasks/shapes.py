@@ -27,7 +27,7 @@ SHAPE_AREA = {"circle": np.pi, "square": 1.7 ** 2, "triangle": 2.0}  # in units 
 RELATIONS = ("left", "right", "above", "below")
 STYLE_WORDS = ("large", "small", "bright", "sharp", "clean", "detailed", "centered", "simple",
                "bold", "vivid", "plain", "background", "black", "photo", "image", "showing")
-GLUE_WORDS = ("a", "an", "and", "of", "the", "with", "to", "on", "picture")
+GLUE_WORDS = ("a", "an", "and", "of", "the", "with", "to", "on", "picture", "that", "is", "in")
 
 VOCAB: list[str] = (SPECIAL + list(PALETTE) + list(SHAPES) + [s + "s" for s in SHAPES]
                     + list(COUNT_WORDS) + list(RELATIONS) + list(STYLE_WORDS) + list(GLUE_WORDS))
@@ -102,6 +102,48 @@ def prompt_set(n: int, seed: int) -> list[Prompt]:
     """`n` prompts cycling through the categories, in terse and full forms, from `seed` alone."""
     rng = np.random.default_rng(seed)
     return [make_prompt(CATEGORIES[i % len(CATEGORIES)], rng, terse=bool(i % 2)) for i in range(n)]
+
+
+INVERSE = {"left": "right", "right": "left", "above": "below", "below": "above"}
+
+
+def paraphrase(prompt: Prompt) -> Prompt:
+    """The same clauses in other words: attributes after the noun, objects swapped, relations inverted."""
+    def reworded(o: ObjectClause) -> str:
+        if o.count > 1:
+            return f"{[w for w, n in COUNT_WORDS.items() if n == o.count][0]} {o.shape}s in {o.colour}"
+        return f"a {o.shape} that is {o.colour}"
+    objs = prompt.objects
+    if len(objs) == 1:
+        return Prompt.make(reworded(objs[0]), prompt.category, objs)
+    a, b = objs
+    if prompt.relation:
+        rel = INVERSE[prompt.relation]
+        link = f"{rel} of" if rel in ("left", "right") else rel
+        return Prompt.make(f"{reworded(b)} {link} {reworded(a)}", prompt.category, [b, a], rel)
+    return Prompt.make(f"{reworded(b)} and {reworded(a)}", prompt.category, [b, a])
+
+
+def clause_key(prompt: Prompt) -> tuple:
+    return (frozenset(prompt.objects), prompt.relation and (prompt.objects, prompt.relation))
+
+
+def eval_set(per_category: int, seed: int, exclude: list[Prompt] = ()) -> list[Prompt]:
+    """A fixed held-out set in full wording, `per_category` prompts per category, none whose clauses
+    appear in `exclude` (the training prompts); a small category may repeat a clause set."""
+    rng = np.random.default_rng(seed)
+    seen = {clause_key(p) for p in exclude}
+    out = []
+    for cat in CATEGORIES:
+        for _ in range(per_category):
+            for _attempt in range(1000):
+                p = make_prompt(cat, rng)
+                if clause_key(p) not in seen:
+                    break
+            else:
+                raise ValueError(f"no held-out {cat} prompt left: the training prompts cover them all")
+            out.append(p)
+    return out
 
 
 # --- rendering ---------------------------------------------------------------------------------- #

@@ -63,3 +63,11 @@ def test_existing_run_is_not_overwritten(no_training, tmp_path, capsys):
     assert cli.main(["train", "--run-dir", str(tmp_path)]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_eval_of_a_missing_or_empty_run_exits_2(tmp_path, capsys):
+    assert cli.main(["eval", "--run", str(tmp_path / "nope")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("trainer: {steps: 1}\n")
+    assert cli.main(["eval", "--run", str(tmp_path)]) == 2
+    assert "no checkpoints" in capsys.readouterr().err

@@ -120,3 +120,10 @@ def test_cli_trains_on_ray_and_writes_the_contract(tmp_path, capsys):
     assert manifest["versions"] == {e: 2 for e in ids}
     state = torch.load(ckpt / "generator.pt", weights_only=True)
     assert state["version"] == 2 and state["weights"]
+    assert cli.main(["eval", "--run", str(run_dir)]) == 0
+    report = json.loads((run_dir / "eval.json").read_text())
+    for name in ("held_out", "paraphrased"):
+        assert set(report[name]) == {"single_object", "two_objects", "counting", "colors", "position",
+                                     "color_attr", "overall"}
+        assert all(0.0 <= v <= 1.0 for v in report[name].values())
+    assert "held_out" in capsys.readouterr().out

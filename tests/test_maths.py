@@ -99,3 +99,13 @@ def test_kl3_nonnegative_and_zero_at_equality():
     a, b = torch.randn(1000), torch.randn(1000)
     assert (kl3(a, b) >= 0).all()
     assert torch.equal(kl3(a, a), torch.zeros(1000))
+
+
+def test_counterfactual_advantage_is_the_normalised_difference_reward():
+    terms = {"image": np.array([0.9, 0.5, 0.2, 0.4])}
+    without = {"refiner_0": np.array([0.1, 0.5, 0.2, np.nan])}  # y_0 helped sample 0 only
+    groups, refined = np.zeros(4, int), np.array([True, True, True, False])
+    adv = advantages("counterfactual", terms, {"image": 1.0}, groups, refined, {"refiner_0": []}, 5.0, without)
+    d = np.array([0.8, 0.0, 0.0])
+    np.testing.assert_allclose(adv["refiner_0"][:3], (d - d.mean()) / (d.std() + 1e-4))
+    assert adv["refiner_0"][3] == 0.0

@@ -68,3 +68,16 @@ def test_bad_prompts_are_named():
         encode_words([])
     with pytest.raises(ValueError, match="1 to 16 words"):
         encode_words(["red"] * 17)
+
+
+def test_paraphrase_keeps_the_clauses_in_other_words():
+    from tasks.shapes import clause_key, eval_set, paraphrase, prompt_set
+    train = prompt_set(48, seed=3)
+    held = eval_set(5, seed=9, exclude=train)
+    assert len(held) == 5 * len(CATEGORIES)
+    assert not {clause_key(p) for p in held} & {clause_key(p) for p in train}
+    rng = np.random.default_rng(1)
+    for p in held:
+        q = paraphrase(p)
+        assert q.text != p.text and q.category == p.category
+        assert strict_correct(render(p, rng), q) and strict_correct(render(q, rng), p)
