@@ -23,6 +23,11 @@ from experts.seeding import derive_seed
 from tasks.shapes import prompt_set
 
 
+def gather(metas: list[dict], key: str) -> dict[str, np.ndarray]:
+    """Per-sample arrays under `key` from every rollout shard, joined in sample order."""
+    return {k: np.concatenate([m[key][k] for m in metas]) for k in metas[0][key]}
+
+
 class DriverActor:
     def __init__(self, config, run_dir: str):
         self.config, self.run_dir = config, Path(run_dir)
@@ -32,6 +37,7 @@ class DriverActor:
         self.runtime = Runtime(config.cluster.mode, config.trainer.run_name)
         self.expert_ids = config.experts.ids()
         self.trained = [e for e in self.expert_ids if config.expert(e).train]
+        self.owns = {f"refiner_{i}": r.owns for i, r in enumerate(config.experts.refiners)}
         self.experts = {e: self.runtime.spawn(ExpertActor, config, e, name=f"expert/{e}")
                         for e in self.expert_ids}
         self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}")
@@ -59,32 +65,22 @@ class DriverActor:
         items = self.make_items(step)
         shards = [list(s) for s in np.array_split(np.array(items, dtype=object), len(self.workers))]
         outs = [w.rollout.options(num_returns=3).remote(step, s) for w, s in zip(self.workers, shards)]
-        metas = get([o[0] for o in outs])
+        metas = get([o[0] for o in outs])        # small: rewards, version vectors, refinements
         self.check_versions(step, [v for m in metas for v in m["versions"]])
-        terms = {t: np.concatenate([m["terms"][t] for m in metas]) for t in metas[0]["terms"]}
+        terms, counterfactual = gather(metas, "terms"), gather(metas, "counterfactual")
         groups = np.array([it["group"] for it in items])
         refined = np.array([it["refine"] for it in items])
-        owns = {f"refiner_{i}": r.owns for i, r in enumerate(self.config.experts.refiners)}
-        counterfactual = {e: np.concatenate([m["counterfactual"][e] for m in metas])
-                          for e in metas[0]["counterfactual"]}
         adv = advantages(self.config.algorithm.credit, terms, self.config.reward.weights, groups, refined,
-                         owns, self.config.algorithm.adv_clip, counterfactual)
+                         self.owns, self.config.algorithm.adv_clip, counterfactual)
         t_update = time.perf_counter()
         due = [e for e in self.trained if step % self.config.expert(e).update_every == 0]
-        calls = {e: self.experts[e].update.remote(
-            step, adv[e] if e == "generator" else adv[e][refined], *[o[2 if e == "generator" else 1] for o in outs])
-            for e in due}
-        stats = get(calls)  # the N+1 updates above run concurrently, one per expert actor
-        for e, s in stats.items():
-            self.versions[e] = s["version"]
+        calls = {e: self.experts[e].update.remote(step, adv[e], *[o[2] for o in outs]) if e == "generator"
+                 else self.experts[e].update.remote(step, adv[e][refined], *[o[1] for o in outs]) for e in due}
+        stats = get(calls)  # the updates above run concurrently, one per expert actor
+        self.versions.update({e: s["version"] for e, s in stats.items()})
         t_sync = time.perf_counter()
         sync_s = self.publish(due)
-        row = self.metrics_row(step, terms, refined, metas, stats)
-        for e, without in counterfactual.items():
-            drawn = ~np.isnan(without)
-            row[f"counterfactual/{e}"] = float(np.mean(total_reward(terms, self.config.reward.weights)[drawn]
-                                                       - without[drawn])) if drawn.any() else 0.0
-        row["counterfactual/generations"] = int(sum((~np.isnan(v)).sum() for v in counterfactual.values()))
+        row = self.metrics_row(step, terms, counterfactual, refined, metas, stats)
         row.update({"time/rollout_s": t_update - start, "time/update_s": t_sync - t_update,
                     "time/sync_s": sync_s, "time/step_s": time.perf_counter() - start})
         return row
@@ -97,7 +93,7 @@ class DriverActor:
                 raise RuntimeError(f"step {step}: samples made with stale weights {stale}, "
                                    f"expected {self.versions}")
 
-    def metrics_row(self, step, terms, refined, metas, stats) -> dict:
+    def metrics_row(self, step, terms, counterfactual, refined, metas, stats) -> dict:
         cfg = self.config
         row = {"step": step, "n_experts": len(self.expert_ids), "credit": cfg.algorithm.credit,
                "rollouts": (step + 1) * cfg.trainer.prompts_per_step * cfg.algorithm.group_size,
@@ -113,6 +109,12 @@ class DriverActor:
             row["ppo/ratio_mean"] = stats["generator"]["ratio_mean"]
         hits = sum(m["cache_hits"] for m in metas)
         row["text_encoder/cache_hit_rate"] = hits / max(1, hits + sum(m["cache_misses"] for m in metas))
+        total = total_reward(terms, cfg.reward.weights)
+        for e, without in counterfactual.items():
+            drawn = ~np.isnan(without)
+            row[f"counterfactual/{e}"] = float(np.mean(total[drawn] - without[drawn])) if drawn.any() else 0.0
+        if counterfactual:
+            row["counterfactual/generations"] = int(sum((~np.isnan(v)).sum() for v in counterfactual.values()))
         row["sample/refinements"] = metas[0]["refinements"][0]
         return row
 
