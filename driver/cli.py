@@ -5,6 +5,7 @@ Exit status 2 for a bad config or value (nothing is started), 1 if training fail
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -23,8 +24,14 @@ def parse_args(argv):
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set trainer.steps=40 (repeatable)")
     t.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go")
+    pre = sub.add_parser("pretrain", help="flow-match the base generator and text encoder (cached)")
     e = sub.add_parser("eval", help="strict accuracy per category on held-out and paraphrased prompts")
-    e.add_argument("--run", required=True, help="a run directory (its latest checkpoint is evaluated)")
+    which = e.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run", help="a run directory (its latest checkpoint is evaluated)")
+    which.add_argument("--base", help="a pretrained base folder (evaluated without refinement)")
+    for sp in (pre, e):
+        sp.add_argument("--config", default="shapes", help="a preset name or a YAML path (default: shapes)")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return p.parse_args(argv)
 
 
@@ -89,21 +96,46 @@ def train(config: Config, run_dir: Path) -> dict:
             ray.shutdown()
 
 
-def evaluate(run: str) -> int:
-    from driver.evaluate import evaluate_run, table
+def evaluate(args) -> int:
+    from driver.evaluate import evaluate_base, evaluate_run, table
     try:
-        report = evaluate_run(Path(run))
+        if args.run:
+            report, where = evaluate_run(Path(args.run)), Path(args.run)
+        else:
+            where = Path(args.base)
+            report = evaluate_base(load_config(args.config, args.overrides), where)
     except ConfigError as e:
         print(f"jointrl: {e}", file=sys.stderr)
         return 2
-    print(f"jointrl: strict accuracy of {report['checkpoint']}\n{table(report)}\n  written to {Path(run) / 'eval.json'}")
+    print(f"jointrl: strict accuracy of {report['checkpoint']}\n{table(report)}\n  written to {where / 'eval.json'}")
+    return 0
+
+
+def run_pretrain(args) -> int:
+    from driver.evaluate import evaluate_base, table
+    from driver.pretrain import base_dir, pretrain
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"jointrl: {e}", file=sys.stderr)
+        return 2
+    print(f"jointrl: pretraining the base into {base_dir(config)} ({config.pretrain.steps} steps)", flush=True)
+    base, reused = pretrain(config)
+    if reused:
+        print(f"jointrl: reusing the cached base {base} (same config hash)")
+    eval_file = base / "eval.json"
+    report = json.loads(eval_file.read_text()) if eval_file.is_file() else evaluate_base(config, base)
+    print(f"{table(report)}\njointrl: base ready. Train from it with\n"
+          f"  --set experts.generator.init={base / 'generator.pt'} --set experts.text_encoder.init={base / 'text_encoder.pt'}")
     return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "eval":
-        return evaluate(args.run)
+        return evaluate(args)
+    if args.command == "pretrain":
+        return run_pretrain(args)
     try:
         config = load_config(args.config, args.overrides)
         run_dir = prepare_run(config, args.run_dir, args.config)

@@ -8,16 +8,25 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Optional
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
                       PositiveInt, ValidationError, model_validator)
 
 from tasks.reward import TERMS, TEXT_TERMS
 from tasks.shapes import MAX_PROMPT_WORDS
 
 
+
+
+def _existing_file(path: str | None) -> str | None:
+    if path is not None and not Path(path).is_file():
+        raise ValueError(f"no checkpoint file at '{path}'")
+    return path
+
+
+InitPath = Annotated[Optional[str], AfterValidator(_existing_file)]
 
 
 class ConfigError(ValueError):
@@ -62,20 +71,15 @@ class GeneratorConfig(Strict):
     clip_eps: PositiveFloat = 1e-4
     noise_level: PositiveFloat = 0.7
     sample_steps: PositiveInt = 8
-    init: str | None = None                   # a checkpoint to start from (pretrained base)
+    init: InitPath = None                     # a checkpoint to start from (pretrained base)
     model: TinyDiTConfig = TinyDiTConfig()
-
-    @model_validator(mode="after")
-    def _init_exists(self):
-        if self.init is not None and not Path(self.init).is_file():
-            raise ValueError(f"init: no checkpoint file at '{self.init}'")
-        return self
 
 
 class TextEncoderConfig(Strict):
     d_model: PositiveInt = 64
     n_layers: PositiveInt = 2
     n_heads: PositiveInt = 4
+    init: InitPath = None                     # a checkpoint to start from (pretrained with the generator)
 
 
 class ExpertsConfig(Strict):
@@ -163,6 +167,17 @@ class EvaluationConfig(Strict):
     refine: bool = True                      # refine eval prompts with the trained refiners
 
 
+class PretrainConfig(Strict):
+    """`jointrl pretrain`: flow matching of the base generator and text encoder on rendered pairs."""
+    steps: PositiveInt = 5000
+    batch_size: PositiveInt = 32
+    lr: PositiveFloat = 2e-3                  # cosine-decayed to 0 over `steps`
+    ema: float = Field(0.998, ge=0.0, lt=1.0)  # the saved weights are this EMA of the trained ones
+    threads: PositiveInt = 2
+    seed: int = 0
+    out_dir: str = "runs/pretrained"          # bases are cached here by a hash of what shapes them
+
+
 class TaskConfig(Strict):
     name: Literal["shapes"] = "shapes"
     image_size: PositiveInt = 32
@@ -176,6 +191,7 @@ class Config(Strict):
     reward: RewardConfig = RewardConfig()
     task: TaskConfig = TaskConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
+    pretrain: PretrainConfig = PretrainConfig()
 
     @model_validator(mode="after")
     def _owned_terms(self):

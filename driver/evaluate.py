@@ -31,12 +31,13 @@ def held_out_sets(config) -> dict[str, list]:
     return {"held_out": held, "paraphrased": [paraphrase(p) for p in held]}
 
 
-def evaluate(config, weights: dict[str, dict]) -> dict:
-    """Per set and category, the share of prompts whose image is strictly correct."""
+def evaluate(config, weights: dict[str, dict] | None = None) -> dict:
+    """Per set and category, the share of prompts whose image is strictly correct, for `weights`
+    (else the models as the config builds them: fresh, or from their `init` checkpoints)."""
     torch.set_num_threads(1)
     worker = RolloutWorker(config, 0)
-    for eid in config.experts.ids():
-        worker.load_weights(eid, 0, weights[eid])
+    for eid, state in (weights or {}).items():
+        worker.load_weights(eid, 0, state)
     report = {}
     for name, prompts in held_out_sets(config).items():
         correct = np.array(worker.evaluate(prompts, refine=config.evaluation.refine)["correct"])
@@ -55,6 +56,24 @@ def evaluate_run(run_dir: Path) -> dict:
                for e in config.experts.ids()}
     report = {"checkpoint": str(ckpt), **evaluate(config, weights)}
     (run_dir / "eval.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def base_config(config, base: Path):
+    """`config` starting from the pretrained base in `base`, evaluated without refinement."""
+    for name in ("generator", "text_encoder"):
+        if not (base / f"{name}.pt").is_file():
+            raise ConfigError(f"--base '{base}' holds no {name}.pt (expected the folder `jointrl pretrain` wrote)")
+    return config.model_copy(update={
+        "experts": config.experts.model_copy(update={
+            "generator": config.experts.generator.model_copy(update={"init": str(base / "generator.pt")}),
+            "text_encoder": config.experts.text_encoder.model_copy(update={"init": str(base / "text_encoder.pt")})}),
+        "evaluation": config.evaluation.model_copy(update={"refine": False})})
+
+
+def evaluate_base(config, base: Path) -> dict:
+    report = {"checkpoint": str(base), **evaluate(base_config(config, base))}
+    (base / "eval.json").write_text(json.dumps(report, indent=1))
     return report
 
 

@@ -35,22 +35,12 @@ def merge_generator_batches(shards: list[dict]) -> dict:
             "logps": torch.cat([_tensor(s["logps"]) for s in shards]), "text": text, "text_pad": pad}
 
 
-def load_init_weights(model: torch.nn.Module, path: str, expert_id: str) -> None:
-    """Start from the weights in a checkpoint file (`checkpoints/step_N/<expert>.pt`), no pickle."""
-    try:
-        model.load_state_dict(torch.load(path, weights_only=True)["weights"])
-    except (OSError, RuntimeError, KeyError, TypeError) as e:
-        raise ValueError(f"experts.{expert_id}.init: cannot load weights from '{path}': {e}") from None
-
-
 class ExpertActor:
     def __init__(self, config, expert_id: str):
         torch.set_num_threads(1)
         self.expert_id, self.config = expert_id, config
         self.spec = config.expert(expert_id)
         self.model = build_model(config, expert_id)
-        if getattr(self.spec, "init", None):
-            load_init_weights(self.model, self.spec.init, expert_id)
         self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr)
         self.version = 0

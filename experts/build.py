@@ -11,7 +11,16 @@ from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
 
 
 def build_model(config, expert_id: str) -> torch.nn.Module:
-    """The freshly initialised model of `expert_id`, identical wherever it is built (seeded)."""
+    """The model of `expert_id` at version 0: its `init` checkpoint if the config names one, else a
+    seeded fresh initialisation, identical wherever it is built."""
+    model = _fresh_model(config, expert_id)
+    init = {"text_encoder": config.experts.text_encoder.init, "generator": config.experts.generator.init}
+    if init.get(expert_id):
+        load_init_weights(model, init[expert_id], expert_id)
+    return model
+
+
+def _fresh_model(config, expert_id: str) -> torch.nn.Module:
     torch.manual_seed(derive_seed(config.trainer.seed, "init", expert_id))
     if expert_id == "text_encoder":
         te = config.experts.text_encoder
@@ -24,3 +33,11 @@ def build_model(config, expert_id: str) -> torch.nn.Module:
     m = spec.model
     return TinyCausalLM(len(VOCAB), m.d_model, m.n_layers, m.n_heads,
                         MAX_PROMPT_WORDS + 2 + spec.max_new_tokens, spec.max_new_tokens, spec.temperature)
+
+
+def load_init_weights(model: torch.nn.Module, path: str, expert_id: str) -> None:
+    """Start from the weights in a checkpoint file (`checkpoints/step_N/<expert>.pt`), no pickle."""
+    try:
+        model.load_state_dict(torch.load(path, weights_only=True)["weights"])
+    except (OSError, RuntimeError, KeyError, TypeError) as e:
+        raise ValueError(f"experts.{expert_id}.init: cannot load weights from '{path}': {e}") from None

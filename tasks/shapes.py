@@ -162,7 +162,7 @@ def _mask(shape: str, cx: float, cy: float, r: float, size: int) -> np.ndarray:
 def render(prompt: Prompt, rng: np.random.Generator, size: int = 32) -> np.ndarray:
     """A ground-truth image for `prompt`: uint8 (H, W, 3) on a black background."""
     img = np.zeros((size, size, 3), np.uint8)
-    r = size / 8
+    r = size * RADIUS
     slots = _slots(prompt, size, rng)
     for obj, centres in zip(prompt.objects, slots):
         for cx, cy in centres:
@@ -170,21 +170,21 @@ def render(prompt: Prompt, rng: np.random.Generator, size: int = 32) -> np.ndarr
     return img
 
 
+RADIUS = 0.15  # of the image side
+ROW = {1: [(1, 1)], 2: [(0, 1), (2, 1)], 3: [(0, 0), (2, 0), (1, 2)]}
+PAIR = {None: ((0, 1), (2, 1)), "left": ((0, 1), (2, 1)), "right": ((2, 1), (0, 1)),
+        "above": ((1, 0), (1, 2)), "below": ((1, 2), (1, 0))}
+
+
 def _slots(prompt: Prompt, size: int, rng: np.random.Generator) -> list[list[tuple[float, float]]]:
-    """Object centres on a 3x3 grid of cells, honouring the prompt's relation."""
+    """Object centres on a 3x3 grid of cells, in a canonical layout for the clauses (one object in
+    the middle, two side by side, three in a triangle, a pair side by side or as its relation says),
+    jittered by up to half a pixel."""
     cell = size / 3
-    centre = lambda i, j: ((i + 0.5) * cell + rng.uniform(-1, 1), (j + 0.5) * cell + rng.uniform(-1, 1))
-    cells = [(i, j) for i in range(3) for j in range(3)]
-    if prompt.relation:
-        pairs = {"left": ((0, 1), (2, 1)), "right": ((2, 1), (0, 1)),
-                 "above": ((1, 0), (1, 2)), "below": ((1, 2), (1, 0))}[prompt.relation]
-        return [[centre(*pairs[0])], [centre(*pairs[1])]]
-    order = rng.permutation(len(cells))
-    out, k = [], 0
-    for obj in prompt.objects:
-        out.append([centre(*cells[order[k + n]]) for n in range(obj.count)])
-        k += obj.count
-    return out
+    centre = lambda i, j: ((i + 0.5) * cell + rng.uniform(-0.5, 0.5), (j + 0.5) * cell + rng.uniform(-0.5, 0.5))
+    if len(prompt.objects) == 1:
+        return [[centre(*c) for c in ROW[prompt.objects[0].count]]]
+    return [[centre(*c)] for c in PAIR[prompt.relation]]
 
 
 # --- detection ---------------------------------------------------------------------------------- #
@@ -240,13 +240,16 @@ def detect(img: np.ndarray, min_area: int = 6) -> list[Blob]:
 
 
 def classify(ys: np.ndarray, xs: np.ndarray) -> str:
-    """Shape of a component from its fill of the bounding box and whether the box corners are filled."""
-    fill = len(ys) / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))
-    filled = set(zip(ys.tolist(), xs.tolist()))
-    corners = [(y, x) in filled for y in (ys.min(), ys.max()) for x in (xs.min(), xs.max())]
-    if fill < 0.65:
-        return "triangle"
-    return "square" if all(corners) and fill > 0.8 else "circle"
+    """The shape whose ideal mask, fitted to the component's bounding box, overlaps it best (IoU)."""
+    h, w = np.ptp(ys) + 1, np.ptp(xs) + 1
+    blob = np.zeros((h, w), bool)
+    blob[ys - ys.min(), xs - xs.min()] = True
+    yy, xx = (np.mgrid[0:h, 0:w] + 0.5) / np.array([h, w])[:, None, None]
+    ideal = {"square": np.ones((h, w), bool),
+             "circle": (xx - 0.5) ** 2 + (yy - 0.5) ** 2 <= 0.25,
+             "triangle": np.abs(xx - 0.5) <= yy / 2}
+    iou = {k: (blob & m).sum() / (blob | m).sum() for k, m in ideal.items()}
+    return max(iou, key=iou.get)
 
 
 def _relation_holds(rel: str, a: Blob, b: Blob) -> bool:
@@ -257,7 +260,7 @@ def image_checks(img: np.ndarray, prompt: Prompt) -> list[float]:
     """GenEval-style checks of `img` against `prompt`, each in [0, 1]. Strict accuracy = all are 1."""
     blobs = detect(img)
     cmap = colour_map(img)
-    radius = img.shape[0] / 8
+    radius = img.shape[0] * RADIUS
     checks = []
     for obj in prompt.objects:
         mine = [b for b in blobs if b.colour == obj.colour]
