@@ -18,6 +18,10 @@ from tasks.reward import Refinement, shapes_reward, total_reward
 from tasks.shapes import BOS, EOS, PAD, SEP, decode_ids, strict_correct, to_uint8
 
 
+def as_text(refinements: list[dict[str, Refinement]]) -> list[dict[str, str]]:
+    return [{e: " ".join(r.words) for e, r in refs.items()} for refs in refinements]
+
+
 class RolloutWorker:
     def __init__(self, config, index: int):
         torch.set_num_threads(1)
@@ -52,7 +56,7 @@ class RolloutWorker:
         versions = self.version_vector()
         meta = {"sample": [it["sample"] for it in items], "terms": terms, "versions": [versions] * len(items),
                 "counterfactual": counterfactual,
-                "refinements": [{e: " ".join(r.words) for e, r in refs.items()} for refs in refinements],
+                "refinements": as_text(refinements),
                 "cache_hits": hits, "cache_misses": misses}
         trajectories = {"states": states.numpy(), "logps": logps.numpy(), "text": text.numpy(),
                         "text_pad": text_pad.numpy()}
@@ -68,7 +72,7 @@ class RolloutWorker:
         images = states[:, -1].clamp(-1, 1).numpy()
         return {"correct": [strict_correct(to_uint8(im), p) for im, p in zip(images, prompts)],
                 "images": images,
-                "refinements": [{e: " ".join(r.words) for e, r in refs.items()} for refs in refinements]}
+                "refinements": as_text(refinements)}
 
     def refine(self, step, items: list[dict]):
         """Every refiner's tokens for the samples marked `refine`, each from its own seeded draws."""

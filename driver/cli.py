@@ -20,19 +20,22 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="jointrl", description="Joint RL of N prompt refiners and one generator.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a preset or YAML config")
-    t.add_argument("--config", default="shapes", help="a preset name or a YAML path (default: shapes)")
-    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set trainer.steps=40 (repeatable)")
     t.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go")
     pre = sub.add_parser("pretrain", help="flow-match the base generator and text encoder (cached)")
     e = sub.add_parser("eval", help="strict accuracy per category on held-out and paraphrased prompts")
     which = e.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", help="a run directory (its latest checkpoint is evaluated)")
     which.add_argument("--base", help="a pretrained base folder (evaluated without refinement)")
-    for sp in (pre, e):
+    for sp in (t, pre, e):
         sp.add_argument("--config", default="shapes", help="a preset name or a YAML path (default: shapes)")
-        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set trainer.steps=40 (repeatable)")
     return p.parse_args(argv)
+
+
+def config_error(error: ConfigError) -> int:
+    print(f"jointrl: {error}", file=sys.stderr)
+    return 2
 
 
 def prepare_run(config: Config, run_dir: str | None, preset: str) -> Path:
@@ -105,8 +108,7 @@ def evaluate(args) -> int:
             where = Path(args.base)
             report = evaluate_base(load_config(args.config, args.overrides), where)
     except ConfigError as e:
-        print(f"jointrl: {e}", file=sys.stderr)
-        return 2
+        return config_error(e)
     print(f"jointrl: strict accuracy of {report['checkpoint']}\n{table(report)}\n  written to {where / 'eval.json'}")
     return 0
 
@@ -117,8 +119,7 @@ def run_pretrain(args) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"jointrl: {e}", file=sys.stderr)
-        return 2
+        return config_error(e)
     print(f"jointrl: pretraining the base into {base_dir(config)} ({config.pretrain.steps} steps)", flush=True)
     base, reused = pretrain(config)
     if reused:
@@ -130,18 +131,12 @@ def run_pretrain(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.command == "eval":
-        return evaluate(args)
-    if args.command == "pretrain":
-        return run_pretrain(args)
+def run_train(args) -> int:
     try:
         config = load_config(args.config, args.overrides)
         run_dir = prepare_run(config, args.run_dir, args.config)
     except ConfigError as e:
-        print(f"jointrl: {e}", file=sys.stderr)
-        return 2
+        return config_error(e)
     print(f"jointrl: run '{config.trainer.run_name}' in {run_dir} ({config.cluster.mode} mode, "
           f"{config.experts.n_refiners} refiners + generator, credit={config.algorithm.credit})", flush=True)
     try:
@@ -154,3 +149,8 @@ def main(argv=None) -> int:
           f"  run dir:     {run_dir}\n  metrics:     {run_dir / 'metrics.jsonl'}\n"
           f"  config:      {run_dir / 'config.yaml'}\n  checkpoints: {run_dir / 'checkpoints'}", flush=True)
     return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate}[args.command](args)
