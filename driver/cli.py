@@ -109,7 +109,8 @@ def evaluate(args) -> int:
             report = evaluate_base(load_config(args.config, args.overrides), where)
     except ConfigError as e:
         return config_error(e)
-    print(f"jointrl: strict accuracy of {report['checkpoint']}\n{table(report)}\n  written to {where / 'eval.json'}")
+    print(f"jointrl: strict accuracy of {report['checkpoint']}\n{table(report)}\n"
+          f"  written to {where / 'eval.json'}, samples in {where / 'eval_samples.png'}")
     return 0
 
 

@@ -14,6 +14,7 @@ import torch
 
 from cluster.rollout import RolloutWorker
 from driver.config import ConfigError, load_config
+from driver.images import grid, write_png
 from experts.seeding import derive_seed
 from tasks.shapes import CATEGORIES, eval_set, paraphrase, prompt_set
 
@@ -31,17 +32,23 @@ def held_out_sets(config) -> dict[str, list]:
     return {"held_out": held, "paraphrased": [paraphrase(p) for p in held]}
 
 
-def evaluate(config, weights: dict[str, dict] | None = None) -> dict:
+def evaluate(config, weights: dict[str, dict] | None = None, samples_png: Path | None = None) -> dict:
     """Per set and category, the share of prompts whose image is strictly correct, for `weights`
-    (else the models as the config builds them: fresh, or from their `init` checkpoints)."""
+    (else the models as the config builds them: fresh, or from their `init` checkpoints). With
+    `samples_png`, the held-out images are written there as a grid, one row per category."""
     torch.set_num_threads(1)
     worker = RolloutWorker(config, 0)
     for eid, state in (weights or {}).items():
         worker.load_weights(eid, 0, state)
     report = {}
     for name, prompts in held_out_sets(config).items():
-        correct = np.array(worker.evaluate(prompts, refine=config.evaluation.refine)["correct"])
+        result = worker.evaluate(prompts, refine=config.evaluation.refine)
+        correct = np.array(result["correct"])
         cats = np.array([p.category for p in prompts])
+        if samples_png and name == "held_out":
+            per_row = min(config.evaluation.per_category, 10)
+            rows = [result["images"][cats == c][:per_row] for c in CATEGORIES]
+            write_png(samples_png, grid(np.concatenate(rows), cols=per_row))
         per = {c: float(correct[cats == c].mean()) for c in CATEGORIES}
         report[name] = {**per, "overall": float(np.mean(list(per.values())))}
     return report
@@ -54,7 +61,7 @@ def evaluate_run(run_dir: Path) -> dict:
     ckpt = latest_checkpoint(run_dir)
     weights = {e: {k: v.numpy() for k, v in torch.load(ckpt / f"{e}.pt", weights_only=True)["weights"].items()}
                for e in config.experts.ids()}
-    report = {"checkpoint": str(ckpt), **evaluate(config, weights)}
+    report = {"checkpoint": str(ckpt), **evaluate(config, weights, run_dir / "eval_samples.png")}
     (run_dir / "eval.json").write_text(json.dumps(report, indent=1))
     return report
 
@@ -72,7 +79,7 @@ def base_config(config, base: Path):
 
 
 def evaluate_base(config, base: Path) -> dict:
-    report = {"checkpoint": str(base), **evaluate(base_config(config, base))}
+    report = {"checkpoint": str(base), **evaluate(base_config(config, base), samples_png=base / "eval_samples.png")}
     (base / "eval.json").write_text(json.dumps(report, indent=1))
     return report
 

@@ -55,4 +55,32 @@ def test_cli_pretrain_then_eval_base(tmp_path, capsys):
     report = json.loads((base / "eval.json").read_text())
     assert set(report["paraphrased"]) >= {"single_object", "position", "overall"}
     assert cli.main(["eval", "--base", str(base), *args]) == 0
+    samples = read_png(base / "eval_samples.png")
+    assert samples.shape[0] == (6 * 34 + 2) * 4  # one row of samples per category
     assert cli.main(["eval", "--base", str(tmp_path), *args]) == 2  # not a base folder
+
+
+def read_png(path):
+    """Decode an 8-bit RGB PNG written without filters (as driver.images writes it)."""
+    import struct
+    import zlib
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", data[16:24])
+    idat, pos = b"", 8
+    while pos < len(data):
+        n, kind = struct.unpack(">I", data[pos:pos + 4])[0], data[pos + 4:pos + 8]
+        if kind == b"IDAT":
+            idat += data[pos + 8:pos + 8 + n]
+        pos += 12 + n
+    rows = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
+    return rows[:, 1:].reshape(h, w, 3)
+
+
+def test_eval_writes_a_sample_grid_one_row_per_category(tmp_path):
+    from driver.images import grid, write_png
+    images = np.random.default_rng(0).uniform(-1, 1, (12, 3, 32, 32)).astype(np.float32)
+    pic = read_png(write_png(tmp_path / "g.png", grid(images, cols=6)))
+    assert pic.shape == ((2 * 34 + 2) * 4, (6 * 34 + 2) * 4, 3)
+    assert pic.std() > 10  # not blank
+    np.testing.assert_array_equal(pic[8:8 + 128:4, 8:8 + 128:4], grid(images[:1], cols=1)[8:136:4, 8:136:4])
