@@ -16,10 +16,10 @@ from cluster.runtime import Runtime, get
 from cluster.weight_sync import WeightSyncActor
 from driver import checkpoint
 from driver.credit import advantages
-from tasks.reward import total_reward
 from driver.metrics import MetricsLog
 from experts.actor import ExpertActor
 from experts.seeding import derive_seed
+from tasks.reward import total_reward
 from tasks.shapes import prompt_set
 
 
@@ -95,9 +95,10 @@ class DriverActor:
 
     def metrics_row(self, step, terms, counterfactual, refined, metas, stats) -> dict:
         cfg = self.config
+        total = total_reward(terms, cfg.reward.weights)
         row = {"step": step, "n_experts": len(self.expert_ids), "credit": cfg.algorithm.credit,
                "rollouts": (step + 1) * cfg.trainer.prompts_per_step * cfg.algorithm.group_size,
-               "reward/total": float(total_reward(terms, cfg.reward.weights).mean())}
+               "reward/total": float(total.mean())}
         row.update({f"reward/{t}": float(v.mean()) for t, v in terms.items()})
         for i, r in enumerate(cfg.experts.refiners):
             row[f"reward/refiner_{i}"] = float(np.mean([terms[t][refined].mean() for t in r.owns]))
@@ -109,7 +110,6 @@ class DriverActor:
             row["ppo/ratio_mean"] = stats["generator"]["ratio_mean"]
         hits = sum(m["cache_hits"] for m in metas)
         row["text_encoder/cache_hit_rate"] = hits / max(1, hits + sum(m["cache_misses"] for m in metas))
-        total = total_reward(terms, cfg.reward.weights)
         for e, without in counterfactual.items():
             drawn = ~np.isnan(without)
             row[f"counterfactual/{e}"] = float(np.mean(total[drawn] - without[drawn])) if drawn.any() else 0.0

@@ -12,13 +12,13 @@ import copy
 import hashlib
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from driver.checkpoint import atomic_dir
 from experts.build import build_model
 from experts.seeding import derive_seed
 from tasks.shapes import BOS, CATEGORIES, PAD, VOCAB, make_prompt, paraphrase, render
@@ -93,12 +93,8 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
 
 
 def save_base(out: Path, models: dict, manifest: dict) -> None:
-    """Written to a temporary folder, then renamed: a base is whole or absent."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, model in models.items():
-        torch.save({"version": 0, "weights": model.state_dict()}, tmp / f"{name}.pt")
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    """Written like a checkpoint (temporary folder, then renamed): a base is whole or absent."""
+    with atomic_dir(out) as tmp:
+        for name, model in models.items():
+            torch.save({"version": 0, "weights": model.state_dict()}, tmp / f"{name}.pt")
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
