@@ -139,7 +139,8 @@ def run_train(args) -> int:
     except ConfigError as e:
         return config_error(e)
     print(f"jointrl: run '{config.trainer.run_name}' in {run_dir} ({config.cluster.mode} mode, "
-          f"{config.experts.n_refiners} refiners + generator, credit={config.algorithm.credit})", flush=True)
+          f"{len(config.experts.active_refiners())} refiners + generator, credit={config.algorithm.credit})",
+          flush=True)
     try:
         summary = train(config, run_dir)
     except Exception as e:  # the run dir keeps whatever was written: metrics so far, checkpoints

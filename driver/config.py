@@ -85,6 +85,7 @@ class TextEncoderConfig(Strict):
 class ExpertsConfig(Strict):
     n_refiners: int = Field(3, ge=1)
     refiners: list[RefinerConfig] = []
+    generator_only: bool = False              # true: Flow-GRPO alone; no refiner is spawned, no prompt refined
     generator: GeneratorConfig = GeneratorConfig()
     text_encoder: TextEncoderConfig = TextEncoderConfig()
 
@@ -115,8 +116,18 @@ class ExpertsConfig(Strict):
         self.__dict__["refiners"] = refiners
         return self
 
+    @model_validator(mode="after")
+    def _something_trains(self):
+        if self.generator_only and not self.generator.train:
+            raise ValueError("generator_only=true with generator.train=false trains nothing")
+        return self
+
+    def active_refiners(self) -> dict[str, RefinerConfig]:
+        """The refiners this run spawns, by expert id (none in generator-only mode)."""
+        return {} if self.generator_only else {f"refiner_{i}": r for i, r in enumerate(self.refiners)}
+
     def ids(self) -> list[str]:
-        return [f"refiner_{i}" for i in range(self.n_refiners)] + ["generator"]
+        return [*self.active_refiners(), "generator"]
 
 
 class AlgorithmConfig(Strict):
@@ -169,10 +180,12 @@ class EvaluationConfig(Strict):
 
 class PretrainConfig(Strict):
     """`jointrl pretrain`: flow matching of the base generator and text encoder on rendered pairs."""
-    steps: PositiveInt = 5000
+    steps: PositiveInt = 9000
     batch_size: PositiveInt = 32
     lr: PositiveFloat = 2e-3                  # cosine-decayed to 0 over `steps`
     ema: float = Field(0.998, ge=0.0, lt=1.0)  # the saved weights are this EMA of the trained ones
+    degraded_share: float = Field(0.2, ge=0.0, lt=1.0)  # low-quality images in the data, never captioned
+                                                         # with quality words (shapes.QUALITY_WORDS)
     threads: PositiveInt = 2
     seed: int = 0
     out_dir: str = "runs/pretrained"          # bases are cached here by a hash of what shapes them
@@ -209,9 +222,9 @@ class Config(Strict):
     def owners(self) -> dict[str, list[str]]:
         """Reward term -> the refiners that own it."""
         out: dict[str, list[str]] = {}
-        for i, r in enumerate(self.experts.refiners):
+        for eid, r in self.experts.active_refiners().items():
             for t in r.owns:
-                out.setdefault(t, []).append(f"refiner_{i}")
+                out.setdefault(t, []).append(eid)
         return out
 
     def expert(self, expert_id: str) -> RefinerConfig | GeneratorConfig:
@@ -219,7 +232,8 @@ class Config(Strict):
             self.experts.refiners[int(expert_id.split("_")[1])]
 
     def text_len(self) -> int:
-        """Longest composed text: <bos> prompt, then <sep> and each refiner's tokens."""
+        """Longest composed text: <bos> prompt, then <sep> and each refiner's tokens (the same width
+        in generator-only mode, so one pretrained text encoder serves every method)."""
         return 1 + MAX_PROMPT_WORDS + sum(1 + r.max_new_tokens for r in self.experts.refiners)
 
 

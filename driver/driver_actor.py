@@ -37,7 +37,7 @@ class DriverActor:
         self.runtime = Runtime(config.cluster.mode, config.trainer.run_name)
         self.expert_ids = config.experts.ids()
         self.trained = [e for e in self.expert_ids if config.expert(e).train]
-        self.owns = {f"refiner_{i}": r.owns for i, r in enumerate(config.experts.refiners)}
+        self.owns = {e: r.owns for e, r in config.experts.active_refiners().items()}
         self.experts = {e: self.runtime.spawn(ExpertActor, config, e, name=f"expert/{e}")
                         for e in self.expert_ids}
         self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}")
@@ -57,7 +57,7 @@ class DriverActor:
         rng = np.random.default_rng(derive_seed(t.seed, "batch", step))
         chosen = rng.choice(len(self.prompts), size=t.prompts_per_step, replace=False)
         return [{"sample": g * a.group_size + k, "group": g, "prompt": self.prompts[p],
-                 "refine": k < a.group_size - a.num_skip_refinement}
+                 "refine": k < a.group_size - a.num_skip_refinement and not self.config.experts.generator_only}
                 for g, p in enumerate(chosen) for k in range(a.group_size)]
 
     def train_step(self, step: int) -> dict:
@@ -100,8 +100,8 @@ class DriverActor:
                "rollouts": (step + 1) * cfg.trainer.prompts_per_step * cfg.algorithm.group_size,
                "reward/total": float(total.mean())}
         row.update({f"reward/{t}": float(v.mean()) for t, v in terms.items()})
-        for i, r in enumerate(cfg.experts.refiners):
-            row[f"reward/refiner_{i}"] = float(np.mean([terms[t][refined].mean() for t in r.owns]))
+        for e, owned in self.owns.items():
+            row[f"reward/{e}"] = float(np.mean([terms[t][refined].mean() for t in owned]))
         row.update({f"version/{e}": v for e, v in self.versions.items()})
         row["version/text_encoder"] = metas[0]["versions"][0]["text_encoder"]
         for e, s in stats.items():

@@ -21,9 +21,10 @@ from tqdm import tqdm
 from driver.checkpoint import atomic_dir
 from experts.build import build_model
 from experts.seeding import derive_seed
-from tasks.shapes import BOS, CATEGORIES, PAD, VOCAB, make_prompt, paraphrase, render
+from tasks.shapes import (BOS, CATEGORIES, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, WORD_TO_ID, make_prompt,
+                          paraphrase, render)
 
-FORMAT = 1  # bump when what a base holds changes
+FORMAT = 3  # bump when what a base holds changes
 
 
 def cache_key(config) -> str:
@@ -31,6 +32,7 @@ def cache_key(config) -> str:
                "generator": config.experts.generator.model.model_dump(),
                "text_encoder": config.experts.text_encoder.model_dump(exclude={"init"}),
                "text_len": config.text_len(),
+               "details": [r.max_new_tokens for r in config.experts.refiners],
                "pretrain": config.pretrain.model_dump(exclude={"out_dir", "threads"})}
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -39,14 +41,35 @@ def base_dir(config) -> Path:
     return Path(config.pretrain.out_dir) / f"base-{cache_key(config)}"
 
 
-def caption_batch(rng: np.random.Generator, n: int, size: int):
-    """`n` rendered (caption ids, image in [-1, 1]) pairs over every category and wording."""
-    prompts = []
+def details(rng: np.random.Generator, degraded: bool, max_segments: int, max_words: int) -> list[int]:
+    """Refinement-shaped text after some captions: "<sep> words" segments of style words. Only clean
+    images are ever described with quality words, as in web data where "sharp, detailed" captions
+    come with good pictures; so a base prompted plainly makes the dataset's mix of clean and
+    degraded images, and one prompted with quality words makes clean ones."""
+    if rng.random() < 0.5:
+        return []
+    plain = [w for w in STYLE_WORDS if w not in QUALITY_WORDS]
+    out = []
+    for _ in range(rng.integers(1, max_segments + 1)):
+        words = list(rng.choice(plain, size=int(rng.integers(1, max_words + 1))))
+        if not degraded and rng.random() < 0.6:
+            words[rng.integers(len(words))] = str(rng.choice(QUALITY_WORDS))
+        out += [SEP, *(WORD_TO_ID[w] for w in words)]
+    return out
+
+
+def caption_batch(rng: np.random.Generator, n: int, size: int, degraded_share: float = 0.0,
+                  max_segments: int = 0, max_words: int = 0):
+    """`n` rendered (caption ids, image in [-1, 1]) pairs over every category and wording; a
+    `degraded_share` of the images are degraded, and some captions carry style details."""
+    ids, images = [], []
     for _ in range(n):
         p = make_prompt(CATEGORIES[rng.integers(len(CATEGORIES))], rng, terse=bool(rng.integers(2)))
-        prompts.append(paraphrase(p) if rng.random() < 1 / 3 else p)
-    images = np.stack([render(p, rng, size) for p in prompts]).astype(np.float32) / 127.5 - 1.0
-    ids = [[BOS, *p.ids] for p in prompts]
+        p = paraphrase(p) if rng.random() < 1 / 3 else p
+        degraded = bool(rng.random() < degraded_share)
+        images.append(render(p, rng, size, degraded))
+        ids.append([BOS, *p.ids, *(details(rng, degraded, max_segments, max_words) if max_segments else [])])
+    images = np.stack(images).astype(np.float32) / 127.5 - 1.0
     width = max(map(len, ids))
     ids = torch.tensor([i + [PAD] * (width - len(i)) for i in ids])
     return ids, torch.from_numpy(images).permute(0, 3, 1, 2)
@@ -73,11 +96,14 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
     optimizer = torch.optim.AdamW(params, lr=pc.lr, weight_decay=0.0)
     rng = np.random.default_rng(derive_seed(pc.seed, "pretrain-data"))
     gen = torch.Generator().manual_seed(derive_seed(pc.seed, "pretrain-noise"))
+    max_words = max(r.max_new_tokens for r in config.experts.refiners)
     bar = tqdm(range(pc.steps), desc="pretrain", unit="it", disable=not progress, mininterval=2.0)
     for it in bar:
         for group in optimizer.param_groups:
             group["lr"] = pc.lr * 0.5 * (1 + math.cos(math.pi * it / pc.steps))
-        loss = flow_matching_loss(generator, encoder, *caption_batch(rng, pc.batch_size, config.task.image_size), gen)
+        batch = caption_batch(rng, pc.batch_size, config.task.image_size, pc.degraded_share,
+                              len(config.experts.refiners), max_words)
+        loss = flow_matching_loss(generator, encoder, *batch, gen)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -27,6 +27,7 @@ SHAPE_AREA = {"circle": np.pi, "square": 1.7 ** 2, "triangle": 2.0}  # in units 
 RELATIONS = ("left", "right", "above", "below")
 STYLE_WORDS = ("large", "small", "bright", "sharp", "clean", "detailed", "centered", "simple",
                "bold", "vivid", "plain", "background", "black", "photo", "image", "showing")
+QUALITY_WORDS = ("sharp", "clean", "vivid", "bright", "detailed")  # style words that go with clean images
 GLUE_WORDS = ("a", "an", "and", "of", "the", "with", "to", "on", "picture", "that", "is", "in")
 
 VOCAB: list[str] = (SPECIAL + list(PALETTE) + list(SHAPES) + [s + "s" for s in SHAPES]
@@ -159,18 +160,22 @@ def _mask(shape: str, cx: float, cy: float, r: float, size: int) -> np.ndarray:
     return (yy >= top) & (yy <= bottom) & (np.abs(xx - cx) <= half)
 
 
-def render(prompt: Prompt, rng: np.random.Generator, size: int = 32) -> np.ndarray:
-    """A ground-truth image for `prompt`: uint8 (H, W, 3) on a black background."""
+def render(prompt: Prompt, rng: np.random.Generator, size: int = 32, degraded: bool = False) -> np.ndarray:
+    """A ground-truth image for `prompt`: uint8 (H, W, 3) on a black background. `degraded` is the
+    low-quality share of a web-scale dataset: colours too dim for the detector to match."""
     img = np.zeros((size, size, 3), np.uint8)
     r = size * RADIUS
     slots = _slots(prompt, size, rng)
     for obj, centres in zip(prompt.objects, slots):
         for cx, cy in centres:
             img[_mask(obj.shape, cx, cy, r, size)] = PALETTE[obj.colour]
+    if degraded:
+        img = (img * DIM).astype(np.uint8)
     return img
 
 
 RADIUS = 0.15  # of the image side
+DIM = 0.55  # a degraded image's colour scale: too dim for the detector to match the palette
 ROW = {1: [(1, 1)], 2: [(0, 1), (2, 1)], 3: [(0, 0), (2, 0), (1, 2)]}
 PAIR = {None: ((0, 1), (2, 1)), "left": ((0, 1), (2, 1)), "right": ((2, 1), (0, 1)),
         "above": ((1, 0), (1, 2)), "below": ((1, 2), (1, 0))}

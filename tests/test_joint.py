@@ -72,6 +72,15 @@ def test_scales_to_n_refiners(n, tmp_path):
     assert all(rows[0][f"version/{e}"] == 1 and f"loss/{e}" in rows[0] for e in ids)
 
 
+def test_generator_only_spawns_no_refiner_and_refines_nothing(tmp_path):
+    cfg = make_config("experts.generator_only=true", "trainer.steps=2", preset="shapes-tiny")
+    rows, info, _ = run_training(cfg, tmp_path)
+    assert sorted(info["experts"]) == ["generator"] and info["update_targets"] == ["generator"]
+    assert all(r["n_experts"] == 1 and r["version/generator"] == s + 1 for s, r in enumerate(rows))
+    assert all(r["sample/refinements"] == {} and r["reward/format"] == 0.0 for r in rows)
+    assert not any(k.startswith(("reward/refiner", "loss/refiner")) for r in rows for k in r)
+
+
 @pytest.mark.slow
 def test_prompt_only_freezes_generator_and_refiners_still_learn(tmp_path):
     cfg = make_config("trainer.steps=40", "experts.generator.train=false")

@@ -7,6 +7,7 @@ import torch
 import driver.cli as cli
 from driver.pretrain import base_dir, caption_batch, flow_matching_loss, pretrain
 from experts.build import build_model
+from tasks.shapes import QUALITY_WORDS, SEP, VOCAB, colour_map
 from tests.conftest import make_config
 
 SMALL = ["pretrain.steps=40", "pretrain.batch_size=8", "pretrain.threads=1", "evaluation.per_category=2",
@@ -44,6 +45,17 @@ def test_flow_matching_loss_falls_on_rendered_pairs():
         opt.step()
         losses.append(loss.item())
     assert np.mean(losses[-10:]) < 0.6 * np.mean(losses[:10])
+
+
+def test_only_clean_images_are_captioned_with_quality_words():
+    ids, images = caption_batch(np.random.default_rng(0), 300, 32, degraded_share=0.3, max_segments=3, max_words=6)
+    pixels = ((images.permute(0, 2, 3, 1).numpy() + 1) * 127.5).round().astype(np.uint8)
+    clean = np.array([(colour_map(im) >= 0).sum() > 10 for im in pixels])   # the detector sees colours
+    quality = np.array([any(VOCAB[i] in QUALITY_WORDS for i in row.tolist()) for row in ids])
+    separated = (ids == SEP).any(1).numpy()
+    assert 0.2 < 1 - clean.mean() < 0.4 and quality.any() and separated[~clean].any()
+    assert not (quality & ~clean).any()               # a degraded image never carries a quality word
+    assert quality[clean].mean() > 0.2
 
 
 def test_cli_pretrain_then_eval_base(tmp_path, capsys):

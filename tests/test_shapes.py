@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from tasks.reward import TERMS, Refinement, format_term, shapes_reward, text_scores
-from tasks.shapes import CATEGORIES, ObjectClause, Prompt, encode_words, make_prompt, render, strict_correct
+from tasks.shapes import (CATEGORIES, ObjectClause, Prompt, encode_words, image_checks, make_prompt, render,
+                          strict_correct)
 
 O = ObjectClause
 
@@ -18,6 +19,13 @@ def test_detector_is_strictly_right_on_correct_renders_of_every_category():
         for i in range(40):
             prompt = make_prompt(cat, rng, terse=bool(i % 2))
             assert strict_correct(render(prompt, rng), prompt), (cat, prompt.text)
+
+
+def test_degraded_renders_score_near_zero_in_every_category():
+    rng = np.random.default_rng(5)
+    for cat in CATEGORIES:
+        prompt = make_prompt(cat, rng)
+        assert np.mean(image_checks(render(prompt, rng, degraded=True), prompt)) < 0.1, cat
 
 
 @pytest.mark.parametrize("asked, drawn", [
