@@ -116,19 +116,21 @@ def evaluate(args) -> int:
 
 def run_pretrain(args) -> int:
     from driver.evaluate import evaluate_base, table
-    from driver.pretrain import base_dir, pretrain
+    from driver.pretrain import base_dir, pretrain_all
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
         return config_error(e)
-    print(f"jointrl: pretraining the base into {base_dir(config)} ({config.pretrain.steps} steps)", flush=True)
-    base, reused = pretrain(config)
+    base = base_dir(config)
+    print(f"jointrl: pretraining the base into {base} ({config.pretrain.steps} steps), then the "
+          f"refiners ({config.pretrain.refiner_steps} steps)", flush=True)
+    overrides, reused = pretrain_all(config)
     if reused:
-        print(f"jointrl: reusing the cached base {base} (same config hash)")
+        print(f"jointrl: reusing the cached base {base} and refiners (same config hash)")
     eval_file = base / "eval.json"
     report = json.loads(eval_file.read_text()) if eval_file.is_file() else evaluate_base(config, base)
-    print(f"{table(report)}\njointrl: base ready. Train from it with\n"
-          f"  --set experts.generator.init={base / 'generator.pt'} --set experts.text_encoder.init={base / 'text_encoder.pt'}")
+    sets = " ".join(f"--set {o}" for o in overrides)
+    print(f"{table(report)}\njointrl: base ready. Train from it with\n  {sets}")
     return 0
 
 

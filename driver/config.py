@@ -50,8 +50,9 @@ class RefinerConfig(Strict):
     lr: PositiveFloat = 3e-3
     update_every: PositiveInt = 1
     kl_beta: NonNegativeFloat = 0.01
-    max_new_tokens: PositiveInt = 6
+    max_new_tokens: PositiveInt = Field(6, ge=2)
     temperature: PositiveFloat = 1.0
+    init: InitPath = None                     # a checkpoint to start from (`jointrl pretrain` writes one)
     model: TinyLMConfig = TinyLMConfig()
 
 
@@ -65,6 +66,7 @@ class TinyDiTConfig(Strict):
 
 class GeneratorConfig(Strict):
     train: bool = True                        # false: prompt-only mode, the generator stays at version 0
+    owns: list[str] | None = None             # terms it learns from under per_expert/counterfactual; None: all
     lr: PositiveFloat = 3e-4
     update_every: PositiveInt = 1
     kl_beta: NonNegativeFloat = 0.01
@@ -184,6 +186,8 @@ class PretrainConfig(Strict):
     batch_size: PositiveInt = 32
     lr: PositiveFloat = 2e-3                  # cosine-decayed to 0 over `steps`
     ema: float = Field(0.998, ge=0.0, lt=1.0)  # the saved weights are this EMA of the trained ones
+    refiner_steps: PositiveInt = 400          # supervised start of the refiners on the captions' details
+    refiner_lr: PositiveFloat = 3e-3
     degraded_share: float = Field(0.2, ge=0.0, lt=1.0)  # low-quality images in the data, never captioned
                                                          # with quality words (shapes.QUALITY_WORDS)
     threads: PositiveInt = 2
@@ -215,6 +219,9 @@ class Config(Strict):
                                  f"({sorted(self.reward.weights)})")
             if self.algorithm.credit == "per_expert" and not r.owns:
                 raise ValueError(f"experts.refiner_{i}.owns is empty, but credit=per_expert needs a term")
+        bad = [t for t in self.experts.generator.owns or [] if t not in self.reward.weights]
+        if bad:
+            raise ValueError(f"experts.generator.owns names {bad}, not a reward term ({sorted(self.reward.weights)})")
         if self.task.image_size % self.experts.generator.model.patch:
             raise ValueError("task.image_size must be a multiple of experts.generator.model.patch")
         return self

@@ -38,6 +38,8 @@ class DriverActor:
         self.expert_ids = config.experts.ids()
         self.trained = [e for e in self.expert_ids if config.expert(e).train]
         self.owns = {e: r.owns for e, r in config.experts.active_refiners().items()}
+        self.credited = {**self.owns, **({"generator": config.experts.generator.owns}
+                                         if config.experts.generator.owns else {})}
         self.experts = {e: self.runtime.spawn(ExpertActor, config, e, name=f"expert/{e}")
                         for e in self.expert_ids}
         self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}")
@@ -71,7 +73,7 @@ class DriverActor:
         groups = np.array([it["group"] for it in items])
         refined = np.array([it["refine"] for it in items])
         adv = advantages(self.config.algorithm.credit, terms, self.config.reward.weights, groups, refined,
-                         self.owns, self.config.algorithm.adv_clip, counterfactual)
+                         self.credited, self.config.algorithm.adv_clip, counterfactual)
         t_update = time.perf_counter()
         due = [e for e in self.trained if step % self.config.expert(e).update_every == 0]
         calls = {e: self.experts[e].update.remote(step, adv[e], *[o[2] for o in outs]) if e == "generator"

@@ -19,9 +19,9 @@ import torch
 from tqdm import tqdm
 
 from driver.checkpoint import atomic_dir
-from experts.build import build_model
+from experts.build import build_model, fresh_model
 from experts.seeding import derive_seed
-from tasks.shapes import (BOS, CATEGORIES, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, WORD_TO_ID, make_prompt,
+from tasks.shapes import (BOS, CATEGORIES, EOS, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, WORD_TO_ID, make_prompt,
                           paraphrase, render)
 
 FORMAT = 3  # bump when what a base holds changes
@@ -33,7 +33,7 @@ def cache_key(config) -> str:
                "text_encoder": config.experts.text_encoder.model_dump(exclude={"init"}),
                "text_len": config.text_len(),
                "details": [r.max_new_tokens for r in config.experts.refiners],
-               "pretrain": config.pretrain.model_dump(exclude={"out_dir", "threads"})}
+               "pretrain": config.pretrain.model_dump(exclude={"out_dir", "threads", "refiner_steps", "refiner_lr"})}
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -41,21 +41,32 @@ def base_dir(config) -> Path:
     return Path(config.pretrain.out_dir) / f"base-{cache_key(config)}"
 
 
+def refiner_key(config, refiner) -> str:
+    shaping = {"format": FORMAT, "vocab": VOCAB, "model": refiner.model.model_dump(),
+               "max_new_tokens": refiner.max_new_tokens, "temperature": refiner.temperature,
+               "pretrain": config.pretrain.model_dump(include={"refiner_steps", "refiner_lr", "batch_size", "seed",
+                                                               "degraded_share"})}
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def detail_words(rng: np.random.Generator, degraded: bool, max_words: int) -> list[str]:
+    """One segment of refinement-shaped text: 1 to `max_words` style words. Only clean images are
+    ever described with quality words, as in web data where "sharp, detailed" captions come with
+    good pictures; so a base prompted plainly makes the dataset's mix of clean and degraded
+    images, and one prompted with quality words makes clean ones."""
+    plain = [w for w in STYLE_WORDS if w not in QUALITY_WORDS]
+    words = [str(w) for w in rng.choice(plain, size=int(rng.integers(1, max_words + 1)))]
+    if not degraded and rng.random() < 0.6:
+        words[rng.integers(len(words))] = str(rng.choice(QUALITY_WORDS))
+    return words
+
+
 def details(rng: np.random.Generator, degraded: bool, max_segments: int, max_words: int) -> list[int]:
-    """Refinement-shaped text after some captions: "<sep> words" segments of style words. Only clean
-    images are ever described with quality words, as in web data where "sharp, detailed" captions
-    come with good pictures; so a base prompted plainly makes the dataset's mix of clean and
-    degraded images, and one prompted with quality words makes clean ones."""
+    """Half the captions get 1 to `max_segments` "<sep> words" segments after the prompt."""
     if rng.random() < 0.5:
         return []
-    plain = [w for w in STYLE_WORDS if w not in QUALITY_WORDS]
-    out = []
-    for _ in range(rng.integers(1, max_segments + 1)):
-        words = list(rng.choice(plain, size=int(rng.integers(1, max_words + 1))))
-        if not degraded and rng.random() < 0.6:
-            words[rng.integers(len(words))] = str(rng.choice(QUALITY_WORDS))
-        out += [SEP, *(WORD_TO_ID[w] for w in words)]
-    return out
+    segments = [detail_words(rng, degraded, max_words) for _ in range(rng.integers(1, max_segments + 1))]
+    return [t for words in segments for t in (SEP, *(WORD_TO_ID[w] for w in words))]
 
 
 def caption_batch(rng: np.random.Generator, n: int, size: int, degraded_share: float = 0.0,
@@ -116,6 +127,56 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
             bar.set_postfix(loss=f"{loss.item():.4f}")
     save_base(out, {"generator": ema[0], "text_encoder": ema[1]}, {"key": cache_key(config), **pc.model_dump()})
     return out, False
+
+
+def refinement_batch(rng: np.random.Generator, n: int, degraded_share: float, max_new_tokens: int):
+    """`n` (prompt ids, refinement tokens ending in <eos>) pairs: the detail segments of the
+    pretraining captions, so a pretrained refiner writes what the base generator has seen."""
+    prompts, tokens = [], []
+    for _ in range(n):
+        p = make_prompt(CATEGORIES[rng.integers(len(CATEGORIES))], rng, terse=bool(rng.integers(2)))
+        p = paraphrase(p) if rng.random() < 1 / 3 else p
+        words = detail_words(rng, bool(rng.random() < degraded_share), max_new_tokens - 1)
+        prompts.append(list(p.ids))
+        tokens.append([*(WORD_TO_ID[w] for w in words), EOS] + [PAD] * (max_new_tokens - 1 - len(words)))
+    return prompts, torch.tensor(tokens)
+
+
+def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Path, bool]:
+    """Supervised start for a refiner (as PromptRL starts from an instruct LM): maximum likelihood
+    of the captions' detail segments. Cached by a hash like the base; returns (file, reused)."""
+    refiner = config.expert(expert_id)
+    out = Path(config.pretrain.out_dir) / f"refiner-{refiner_key(config, refiner)}"
+    if (out / "manifest.json").is_file():
+        return out / "refiner.pt", True
+    pc = config.pretrain
+    torch.set_num_threads(pc.threads)
+    model = fresh_model(config, expert_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=pc.refiner_lr, weight_decay=0.0)
+    rng = np.random.default_rng(derive_seed(pc.seed, "pretrain-refiner"))
+    bar = tqdm(range(pc.refiner_steps), desc="refiner", unit="it", disable=not progress, mininterval=2.0)
+    for _ in bar:
+        prompts, tokens = refinement_batch(rng, pc.batch_size, pc.degraded_share, refiner.max_new_tokens)
+        loss = -model.token_logprobs(prompts, tokens).sum() / (tokens != PAD).sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    save_base(out, {"refiner": model}, {"key": refiner_key(config, refiner), "final_loss": loss.item()})
+    return out / "refiner.pt", False
+
+
+def pretrain_all(config, progress: bool = True) -> tuple[list[str], bool]:
+    """The base generator and text encoder, then every refiner's supervised start (each cached).
+    Returns the `--set` overrides that start a run from them, and whether all were reused."""
+    base, reused = pretrain(config, progress)
+    overrides = [f"experts.generator.init={base.resolve() / 'generator.pt'}",
+                 f"experts.text_encoder.init={base.resolve() / 'text_encoder.pt'}"]
+    for i in range(len(config.experts.refiners)):
+        path, again = pretrain_refiner(config, f"refiner_{i}", progress)
+        overrides.append(f"experts.refiner_{i}.init={path.resolve()}")
+        reused = reused and again
+    return overrides, reused
 
 
 def save_base(out: Path, models: dict, manifest: dict) -> None:

@@ -13,14 +13,14 @@ from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
 def build_model(config, expert_id: str) -> torch.nn.Module:
     """The model of `expert_id` at version 0: its `init` checkpoint if the config names one, else a
     seeded fresh initialisation, identical wherever it is built."""
-    model = _fresh_model(config, expert_id)
-    init = {"text_encoder": config.experts.text_encoder.init, "generator": config.experts.generator.init}
-    if init.get(expert_id):
-        load_init_weights(model, init[expert_id], expert_id)
+    model = fresh_model(config, expert_id)
+    init = config.experts.text_encoder.init if expert_id == "text_encoder" else config.expert(expert_id).init
+    if init:
+        load_init_weights(model, init, expert_id)
     return model
 
 
-def _fresh_model(config, expert_id: str) -> torch.nn.Module:
+def fresh_model(config, expert_id: str) -> torch.nn.Module:
     torch.manual_seed(derive_seed(config.trainer.seed, "init", expert_id))
     if expert_id == "text_encoder":
         te = config.experts.text_encoder

@@ -29,6 +29,7 @@ def no_training(monkeypatch):
     (["--set", "experts.refiner_0.owns=[sparkle]"], "experts.refiner_0.owns"),
     (["--set", "trainer.steps"], "trainer.steps"),
     (["--set", "experts.generator.init=/no/such/generator.pt"], "init"),
+    (["--set", "experts.generator.owns=[glitter]"], "experts.generator.owns"),
     (["--set", "experts.generator_only=true", "--set", "experts.generator.train=false"], "generator_only"),
 ])
 def test_bad_config_exits_2_naming_the_key(args, named, no_training, tmp_path, capsys):

@@ -93,6 +93,14 @@ def test_credit_modes_route_the_right_terms():
     shared = advantages("shared", terms, w, groups, refined, {"refiner_0": ["style"]}, 5.0)
     np.testing.assert_allclose(shared["refiner_0"][:3], shared["generator"][:3])
     np.testing.assert_allclose(per["generator"], shared["generator"])
+    owned = {"refiner_0": ["style"], "generator": ["image"]}
+    image_only = group_normalise(terms["image"], groups, np.ones(4, bool), 5.0)
+    for mode in ("per_expert", "counterfactual"):
+        without = {"refiner_0": np.full(4, 0.5)}
+        np.testing.assert_allclose(advantages(mode, terms, w, groups, refined, owned, 5.0, without)["generator"],
+                                   image_only)   # the style term is not the generator's doing
+    np.testing.assert_allclose(advantages("shared", terms, w, groups, refined, owned, 5.0)["generator"],
+                               shared["generator"])  # shared credit is shared, whatever is owned
 
 
 def test_kl3_nonnegative_and_zero_at_equality():

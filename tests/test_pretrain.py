@@ -5,9 +5,9 @@ import numpy as np
 import torch
 
 import driver.cli as cli
-from driver.pretrain import base_dir, caption_batch, flow_matching_loss, pretrain
+from driver.pretrain import base_dir, caption_batch, flow_matching_loss, pretrain, pretrain_all
 from experts.build import build_model
-from tasks.shapes import QUALITY_WORDS, SEP, VOCAB, colour_map
+from tasks.shapes import EOS, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, colour_map, prompt_set
 from tests.conftest import make_config
 
 SMALL = ["pretrain.steps=40", "pretrain.batch_size=8", "pretrain.threads=1", "evaluation.per_category=2",
@@ -29,6 +29,23 @@ def test_pretrain_caches_by_config_hash_and_train_starts_from_it(tmp_path):
     built = build_model(started, "generator").state_dict()
     assert all(torch.equal(saved[k], v) for k, v in built.items())
     assert not all(torch.equal(v, build_model(cfg, "generator").state_dict()[k]) for k, v in built.items())
+
+
+def test_refiners_start_from_a_cached_supervised_base_that_writes_style_details(tmp_path):
+    cfg = make_config(*SMALL, "pretrain.refiner_steps=150", f"pretrain.out_dir={tmp_path}", preset="shapes-tiny")
+    overrides, reused = pretrain_all(cfg, progress=False)
+    assert not reused and pretrain_all(cfg, progress=False) == (overrides, True)
+    inits = dict(o.split("=", 1) for o in overrides)
+    assert len({inits[f"experts.refiner_{i}.init"] for i in range(3)}) == 1   # one base per refiner spec
+    started = make_config(*SMALL, *overrides, preset="shapes-tiny")
+    model = build_model(started, "refiner_1")
+    prompts = [list(p.ids) for p in prompt_set(32, 0)]
+    tokens, _, _ = model.sample(prompts, torch.rand(32, model.max_new_tokens, generator=torch.Generator().manual_seed(0)))
+    words = [VOCAB[t] for t in tokens.flatten().tolist() if t not in (PAD, EOS)]
+    assert sum(w in STYLE_WORDS for w in words) > 0.9 * len(words)            # what the captions' details hold
+    assert (tokens == EOS).any(1).float().mean() > 0.9                      # and it stops by itself
+    fresh = build_model(cfg, "refiner_1").state_dict()
+    assert not all(torch.equal(v, fresh[k]) for k, v in model.state_dict().items())
 
 
 def test_flow_matching_loss_falls_on_rendered_pairs():
