@@ -10,11 +10,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cluster.recovery import NotSynced
 from experts.build import build_model
 from experts.flow_sde import sample
 from experts.seeding import generator
 from experts.text_encoder import CachedEncoder
-from tasks.reward import Refinement, shapes_reward, total_reward
+from tasks.reward import Refinement, total_reward
+from tasks.reward_guard import GuardedReward, resolve
 from tasks.shapes import BOS, EOS, PAD, SEP, decode_ids, strict_correct, to_uint8
 
 
@@ -31,6 +33,9 @@ class RolloutWorker:
         self.versions = {eid: None for eid in self.models}
         self.encoder = CachedEncoder(build_model(config, "text_encoder"), version=0)
         self.owners = config.owners()
+        self.guarded_reward = GuardedReward(resolve(config.reward.fn), list(config.reward.weights),
+                                            config.reward.timeout_s)
+        self.faults: dict[str, int] = {}
 
     def load_weights(self, expert_id: str, version: int, weights: dict) -> int:
         self.models[expert_id].load_state_dict({k: torch.tensor(v) for k, v in weights.items()})
@@ -44,18 +49,19 @@ class RolloutWorker:
         """`items`: {"sample", "prompt", "refine"} per sample, in the driver's global order."""
         missing = [e for e, v in self.versions.items() if v is None]
         if missing:
-            raise RuntimeError(f"rollout/{self.index} has no weights for {missing}; sync first")
+            raise NotSynced(f"rollout/{self.index} has no weights for {missing}; sync first")
         refinements, kept_ids, refiner_batch = self.refine(step, items)
         noise = self.noise(step, items)
         text, text_pad = self.encoder(self.compose(items, kept_ids))
         states, logps = sample(self.models["generator"], text, text_pad, noise,
                                self.config.experts.generator.noise_level, sde=True)
-        terms = self.reward(states[:, -1], items, refinements)
+        self.faults = {}
+        terms, valid = self.reward(states[:, -1], items, refinements)
         counterfactual = self.counterfactual(step, items, refinements, kept_ids, noise)
         hits, misses = self.encoder.take_stats()
         versions = self.version_vector()
         meta = {"sample": [it["sample"] for it in items], "terms": terms, "versions": [versions] * len(items),
-                "counterfactual": counterfactual,
+                "counterfactual": counterfactual, "valid": {"valid": valid}, "faults": self.faults,
                 "refinements": as_text(refinements),
                 "cache_hits": hits, "cache_misses": misses}
         trajectories = {"states": states.numpy(), "logps": logps.numpy(), "text": text.numpy(),
@@ -109,9 +115,13 @@ class RolloutWorker:
         return [(BOS, *it["prompt"].ids, *[t for e, ids in kept.items() if e != drop for t in (SEP, *ids)])
                 for it, kept in zip(items, kept_ids)]
 
-    def reward(self, images: torch.Tensor, items: list[dict], refinements: list[dict]) -> dict:
-        return shapes_reward(images.clamp(-1, 1).numpy(), [it["prompt"] for it in items], refinements,
-                             self.owners)
+    def reward(self, images: torch.Tensor, items: list[dict], refinements: list[dict]):
+        """(named terms, valid per sample); faults are counted into `self.faults`."""
+        terms, valid, faults = self.guarded_reward(images.clamp(-1, 1).numpy(), [it["prompt"] for it in items],
+                                                   refinements, self.owners)
+        for kind, n in faults.items():
+            self.faults[kind] = self.faults.get(kind, 0) + n
+        return terms, valid
 
     def counterfactual(self, step, items, refinements, kept_ids, noise) -> dict[str, np.ndarray]:
         """Per refiner k, R(without y_k): the total reward of the same sample regenerated from the
@@ -131,7 +141,7 @@ class RolloutWorker:
                 states, _ = sample(self.models["generator"], text, pad, noise[rows],
                                    self.config.experts.generator.noise_level, sde=True)
                 without = [{e: r for e, r in refinements[i].items() if e != eid} for i in rows]
-                terms = self.reward(states[:, -1], sub, without)
-                values[rows] = total_reward(terms, self.config.reward.weights)
+                terms, valid = self.reward(states[:, -1], sub, without)
+                values[rows] = np.where(valid, total_reward(terms, self.config.reward.weights), np.nan)
             out[eid] = values
         return out

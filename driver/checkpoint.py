@@ -1,17 +1,29 @@
-"""Checkpoints: per expert its weights, optimizer state and version, plus the driver's step.
+"""Checkpoints: everything needed to resume a run exactly, and nothing loaded through pickle.
 
-Written into a temporary folder and renamed into place, so a checkpoint is whole or absent. Loaded
-with `torch.load(weights_only=True)`: no pickle of arbitrary objects.
+`checkpoints/step_N/` holds, per expert, its state file (`experts.state_file`: weights and
+optimizer in safetensors, version and last applied step in JSON), plus `manifest.json` (the
+step the driver resumes at, every expert's version, and a sha256 per file). Random draws need no
+saved state: each one derives from (trainer.seed, step, sample). A checkpoint is written into a
+temporary folder and renamed into place, so it is whole or absent; the last
+`trainer.keep_checkpoints` are kept.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+
+from driver.config import ConfigError
+from experts import state_file
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that is missing, corrupt or made for another config; the CLI exits with 2."""
 
 
 @contextmanager
@@ -25,13 +37,77 @@ def atomic_dir(final: Path):
     tmp.rename(final)
 
 
-def save(run_dir: Path, step: int, states: dict[str, dict]) -> Path:
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def save(run_dir: Path, step: int, states: dict[str, dict], keep: int = 0) -> Path:
+    """Write checkpoint `step` (the driver resumes at this step) and prune to the last `keep`."""
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     with atomic_dir(final) as tmp:
         for eid, st in states.items():
-            torch.save({"version": st["version"], "last_step": st["last_step"],
-                        "weights": {k: torch.tensor(np.asarray(v)) for k, v in st["weights"].items()},
-                        "optimizer": st["optimizer"]}, tmp / f"{eid}.pt")
+            state_file.write(tmp, eid, st)
+        files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / "manifest.json").write_text(json.dumps(
-            {"step": step, "versions": {e: s["version"] for e, s in states.items()}}, indent=1))
+            {"step": step, "versions": {e: s["version"] for e, s in states.items()}, "files": files}, indent=1))
+    if keep:
+        for old in all_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old)
     return final
+
+
+def all_checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in (run_dir / "checkpoints").glob("step_*[0-9]") if p.is_dir())
+
+
+def latest(run_dir: Path) -> Path:
+    found = all_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"'{run_dir}' has no checkpoints (expected {run_dir}/checkpoints/step_N/)")
+    return found[-1]
+
+
+def manifest(ckpt: Path) -> dict:
+    """The manifest of `ckpt`, after checking every file it lists against its hash."""
+    try:
+        info = json.loads((ckpt / "manifest.json").read_text())
+        files = info["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint '{ckpt}' has no readable manifest.json ({e}); it is incomplete "
+                              f"or from an older jointrl. Nothing was started.") from None
+    for name, digest in files.items():
+        path = ckpt / name
+        if not path.is_file() or sha256(path) != digest:
+            raise CheckpointError(f"checkpoint file '{path}' is {'missing' if not path.is_file() else 'corrupt'} "
+                                  f"(its sha256 does not match manifest.json). Nothing was started; resume "
+                                  f"from an earlier checkpoint by removing this one.")
+    return info
+
+
+def load(ckpt: Path, expert_ids: list[str]) -> tuple[int, dict[str, dict]]:
+    """(the step to resume at, each expert's state) from a verified checkpoint."""
+    info = manifest(ckpt)
+    missing = [e for e in expert_ids if f"{e}.safetensors" not in info["files"]]
+    extra = sorted(set(info["versions"]) - set(expert_ids))
+    if missing or extra:
+        raise CheckpointError(f"checkpoint '{ckpt}' holds experts {sorted(info['versions'])}, but the config has "
+                              f"{expert_ids} (missing {missing}, unexpected {extra}): it is from another config. "
+                              f"Nothing was started.")
+    states = {e: state_file.read(ckpt, e) for e in expert_ids}
+    return info["step"], states
+
+
+def check_shapes(ckpt: Path, expert_id: str, model: torch.nn.Module) -> None:
+    """Raise, naming the tensor, if `ckpt`'s weights for `expert_id` do not fit `model`."""
+    path = ckpt / f"{expert_id}.safetensors"
+    want = {f"weights.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    try:
+        with safe_open(str(path), "pt") as f:
+            have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("weights.")}
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"checkpoint file '{path}' is not readable safetensors ({e})") from None
+    for key in sorted(set(want) | set(have)):
+        if want.get(key) != have.get(key):
+            raise CheckpointError(f"checkpoint '{path}' does not fit the config's {expert_id}: '{key[8:]}' has shape "
+                                  f"{have.get(key)} there and {want.get(key)} in the model (another model shape "
+                                  f"or N). Nothing was started.")

@@ -20,17 +20,23 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="jointrl", description="Joint RL of N prompt refiners and one generator.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a preset or YAML config")
-    t.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go")
+    where = t.add_mutually_exclusive_group()
+    where.add_argument("--run-dir", default=None, help="where metrics, config and checkpoints go")
+    where.add_argument("--resume", default=None, metavar="RUN_DIR",
+                       help="continue a stopped run from its latest checkpoint, with its saved config")
     pre = sub.add_parser("pretrain", help="flow-match the base generator and text encoder (cached)")
     e = sub.add_parser("eval", help="strict accuracy per category on held-out and paraphrased prompts")
     which = e.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", help="a run directory (its latest checkpoint is evaluated)")
     which.add_argument("--base", help="a pretrained base folder (evaluated without refinement)")
     for sp in (t, pre, e):
-        sp.add_argument("--config", default="shapes", help="a preset name or a YAML path (default: shapes)")
+        sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set trainer.steps=40 (repeatable)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not getattr(args, "resume", None):
+        args.config = args.config or "shapes"
+    return args
 
 
 def config_error(error: ConfigError) -> int:
@@ -50,12 +56,36 @@ def prepare_run(config: Config, run_dir: str | None, preset: str) -> Path:
     return path
 
 
+def prepare_resume(run_dir: str, config_arg: str | None, overrides: list[str]) -> tuple[Config, Path, Path]:
+    """The saved config (plus `overrides`) and the verified checkpoint a stopped run resumes from.
+    Everything is checked before anything starts or is written."""
+    from driver import checkpoint
+    from experts.build import fresh_model
+    path = Path(run_dir)
+    if config_arg:
+        raise ConfigError(f"--resume '{path}' trains with the run's saved config.yaml; drop --config "
+                          f"'{config_arg}' (use --set to change a key)")
+    if not (path / "config.yaml").is_file():
+        raise ConfigError(f"--resume '{path}' is not a run directory (no config.yaml there)")
+    config = load_config(str(path / "config.yaml"), overrides)
+    ckpt = checkpoint.latest(path)
+    step, _ = checkpoint.load(ckpt, config.experts.ids())
+    for eid in config.experts.ids():
+        checkpoint.check_shapes(ckpt, eid, fresh_model(config, eid))
+    if step >= config.trainer.steps:
+        raise ConfigError(f"--resume '{path}': the run is complete ({step} of trainer.steps={config.trainer.steps}); "
+                          f"raise it with --set trainer.steps=N to train further")
+    if overrides:
+        (path / "config.yaml").write_text(dump_config(config))
+    return config, path, ckpt
+
+
 class Progress:
     """A live progress line on a terminal; one plain line per step otherwise (CI, job logs)."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, done: int = 0):
         self.tty = sys.stderr.isatty()
-        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True) if self.tty else None
+        self.bar = tqdm(total=total, initial=done, unit="step", dynamic_ncols=True) if self.tty else None
         self.total = total
 
     def __call__(self, row: dict) -> None:
@@ -70,19 +100,20 @@ class Progress:
             self.bar.close()
 
 
-def train(config: Config, run_dir: Path) -> dict:
-    """Run training in the configured mode, streaming progress; returns the driver's summary."""
+def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
+    """Run training in the configured mode (from checkpoint `resume` if given), streaming progress;
+    returns the driver's summary."""
     import ray
 
     from cluster.connect import connect
     from driver.launch import start_driver
-    progress = Progress(config.trainer.steps)
+    progress = Progress(config.trainer.steps, int(resume.name.split("_")[1]) if resume else 0)
     started_here = config.cluster.mode == "ray" and not ray.is_initialized()
     try:
         if config.cluster.mode == "inline":
-            return start_driver(config, run_dir).instance.run(on_row=progress)
+            return start_driver(config, run_dir, resume).instance.run(on_row=progress)
         connect(config.cluster.address)
-        driver = start_driver(config, run_dir)
+        driver = start_driver(config, run_dir, resume)
         done, seen = driver.run.remote(), 0
         while True:
             finished = ray.wait([done], timeout=0.5)[0]
@@ -135,21 +166,25 @@ def run_pretrain(args) -> int:
 
 
 def run_train(args) -> int:
+    resume = None
     try:
-        config = load_config(args.config, args.overrides)
-        run_dir = prepare_run(config, args.run_dir, args.config)
+        if args.resume:
+            config, run_dir, resume = prepare_resume(args.resume, args.config, args.overrides)
+        else:
+            config = load_config(args.config, args.overrides)
+            run_dir = prepare_run(config, args.run_dir, args.config)
     except ConfigError as e:
         return config_error(e)
     print(f"jointrl: run '{config.trainer.run_name}' in {run_dir} ({config.cluster.mode} mode, "
-          f"{len(config.experts.active_refiners())} refiners + generator, credit={config.algorithm.credit})",
-          flush=True)
+          f"{len(config.experts.active_refiners())} refiners + generator, credit={config.algorithm.credit})"
+          + (f", resuming from {resume}" if resume else ""), flush=True)
     try:
-        summary = train(config, run_dir)
+        summary = train(config, run_dir, resume)
     except Exception as e:  # the run dir keeps whatever was written: metrics so far, checkpoints
         cause = getattr(e, "cause", None) or e
         print(f"jointrl: training failed: {type(cause).__name__}: {cause}\n  run dir: {run_dir}", file=sys.stderr)
         return 1
-    print(f"jointrl: done, {summary['steps']} steps, final reward/total={summary['last']['reward/total']:.3f}\n"
+    print(f"jointrl: done, {summary['steps']} steps, final {progress_line(summary['last'])}\n"
           f"  run dir:     {run_dir}\n  metrics:     {run_dir / 'metrics.jsonl'}\n"
           f"  config:      {run_dir / 'config.yaml'}\n  checkpoints: {run_dir / 'checkpoints'}", flush=True)
     return 0

@@ -11,22 +11,33 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import yaml
+from safetensors import safe_open
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
                       PositiveInt, ValidationError, model_validator)
 
 from tasks.reward import TERMS, TEXT_TERMS
+from tasks.reward_guard import resolve
 from tasks.shapes import MAX_PROMPT_WORDS
 
 
 
 
-def _existing_file(path: str | None) -> str | None:
-    if path is not None and not Path(path).is_file():
+def _weights_file(path: str | None) -> str | None:
+    """An expert's weights: an existing safetensors file (weights are never unpickled)."""
+    if path is None:
+        return path
+    if not Path(path).is_file():
         raise ValueError(f"no checkpoint file at '{path}'")
+    try:
+        with safe_open(path, "pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors raises its own error types for every kind of bad header
+        raise ValueError(f"'{path}' is not a safetensors weights file ({type(e).__name__}: {e}); "
+                         f"weights are never loaded through pickle") from None
     return path
 
 
-InitPath = Annotated[Optional[str], AfterValidator(_existing_file)]
+InitPath = Annotated[Optional[str], AfterValidator(_weights_file)]
 
 
 class ConfigError(ValueError):
@@ -154,6 +165,7 @@ class TrainerConfig(Strict):
     prompts_per_step: PositiveInt = 4
     n_train_prompts: PositiveInt = 48
     checkpoint_every: NonNegativeInt = 0      # 0: only at the end
+    keep_checkpoints: PositiveInt = 3         # the newest are kept, older ones removed
     run_name: str | None = None
 
 
@@ -161,13 +173,19 @@ class ClusterConfig(Strict):
     mode: Literal["ray", "inline"] = "ray"
     address: str | None = None                # None: RAY_ADDRESS if set, else a new local Ray
     rollout_workers: PositiveInt = 1
+    max_restarts: NonNegativeInt = 3          # per actor: Ray restarts it, the driver restores its state
 
 
 class RewardConfig(Strict):
     weights: dict[str, NonNegativeFloat] = {"image": 1.0, "fidelity": 0.5, "style": 0.5, "format": 0.5}
+    fn: str | None = None                     # package.module:function returning named terms; None: shapes
+    timeout_s: PositiveFloat = 60.0           # a reward call slower than this drops its samples
 
     @model_validator(mode="after")
     def _known_terms(self):
+        if self.fn is not None:
+            resolve(self.fn)  # importable and callable, or a config error now
+            return self
         unknown = sorted(set(self.weights) - set(TERMS))
         if unknown:
             raise ValueError(f"unknown reward terms {unknown}; the shapes reward has {list(TERMS)}")

@@ -30,10 +30,13 @@ def group_normalise(values: np.ndarray, groups: np.ndarray, include: np.ndarray,
 
 def advantages(mode: str, terms: dict[str, np.ndarray], weights: dict[str, float], groups: np.ndarray,
                refined: np.ndarray, owns: dict[str, list[str]], clip: float,
-               counterfactual: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+               counterfactual: dict[str, np.ndarray] | None = None,
+               valid: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Per expert, an advantage for every sample (refiners: nonzero only where they refined).
-    `owns` maps each refiner, and optionally the generator, to the terms it is credited with."""
-    everyone = np.ones_like(refined, dtype=bool)
+    `owns` maps each refiner, and optionally the generator, to the terms it is credited with;
+    samples not `valid` (their reward failed) get 0 and are left out of every group's statistics."""
+    everyone = np.ones_like(refined, dtype=bool) if valid is None else np.asarray(valid, bool)
+    refined = refined & everyone
     total = total_reward(terms, weights)
     shared = group_normalise(total, groups, everyone, clip)
     owns = dict(owns)

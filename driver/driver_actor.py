@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cluster.recovery import NotSynced, survive
 from cluster.rollout import RolloutWorker
 from cluster.runtime import Runtime, get
 from cluster.weight_sync import WeightSyncActor
@@ -20,6 +21,7 @@ from driver.metrics import MetricsLog
 from experts.actor import ExpertActor
 from experts.seeding import derive_seed
 from tasks.reward import total_reward
+from tasks.reward_guard import FAULTS
 from tasks.shapes import prompt_set
 
 
@@ -29,10 +31,11 @@ def gather(metas: list[dict], key: str) -> dict[str, np.ndarray]:
 
 
 class DriverActor:
-    def __init__(self, config, run_dir: str):
+    def __init__(self, config, run_dir: str, resume: str | None = None):
+        """`resume`: a checkpoint folder; the run continues from its step with every expert's
+        weights, optimizer state and version restored, exactly as if it had never stopped."""
         self.config, self.run_dir = config, Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.prompts = prompt_set(config.trainer.n_train_prompts, derive_seed(config.trainer.seed, "prompts"))
         self.runtime = Runtime(config.cluster.mode, config.trainer.run_name)
         self.expert_ids = config.experts.ids()
@@ -40,18 +43,74 @@ class DriverActor:
         self.owns = {e: r.owns for e, r in config.experts.active_refiners().items()}
         self.credited = {**self.owns, **({"generator": config.experts.generator.owns}
                                          if config.experts.generator.owns else {})}
-        self.experts = {e: self.runtime.spawn(ExpertActor, config, e, name=f"expert/{e}")
+        restarts = {"max_restarts": config.cluster.max_restarts, "max_task_retries": 0}
+        self.experts = {e: self.runtime.spawn(ExpertActor, config, e, name=f"expert/{e}", **restarts)
                         for e in self.expert_ids}
-        self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}")
+        self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}", **restarts)
                         for j in range(config.cluster.rollout_workers)]
-        self.sync = self.runtime.spawn(WeightSyncActor, self.workers, name="weight_sync")
-        self.versions = {e: 0 for e in self.expert_ids}
+        self.sync = self.runtime.spawn(WeightSyncActor, self.workers, name="weight_sync", **restarts)
+        self.start_step, self.faults = 0, {"expert_restarts": 0, "worker_restarts": 0, "sync_restarts": 0}
+        if resume:
+            self.start_step, states = checkpoint.load(Path(resume), self.expert_ids)
+            get([self.experts[e].restore.remote(s["weights"], s["optimizer"], s) for e, s in states.items()])
+        self.snapshots = {e: self.experts[e].snapshot.options(num_returns=3).remote() for e in self.expert_ids}
+        self.versions = {e: info["version"] for e, info in get({e: s[2] for e, s in self.snapshots.items()}).items()}
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_before=self.start_step)
         self.publish(self.expert_ids)
 
     def publish(self, expert_ids: list[str]) -> float:
-        """Deliver the current weights of `expert_ids` to every rollout worker; returns seconds."""
-        releases = [(e, self.versions[e], [self.experts[e].weights.remote()]) for e in expert_ids]
-        return get(self.sync.publish.remote(releases))["sync_s"] if releases else 0.0
+        """Deliver the latest snapshot weights of `expert_ids` to every rollout worker; returns
+        seconds. If the sync actor or a worker died, every expert is published again, which
+        rebuilds the restarted sync actor's registry and a restarted worker's weights."""
+        def release(ids):
+            return self.sync.publish.remote([(e, self.versions[e], [self.snapshots[e][0]]) for e in ids])
+        if not expert_ids:
+            return 0.0
+        def alive():  # the sync actor and every worker answer once Ray has restarted them
+            get([self.sync.registrations.remote(), *[w.version_vector.remote() for w in self.workers]])
+        out, faults = survive(release(expert_ids), lambda: release(self.expert_ids), alive,
+                              self.config.cluster.max_restarts)
+        self.faults["sync_restarts"] += faults
+        return out["sync_s"]
+
+    def rollout(self, step: int, items: list[dict]) -> tuple[list, list]:
+        """Every worker's share of this step's samples: (metas, the workers' (meta, tokens,
+        trajectories) refs). A worker that died is restarted by Ray, loaded with the published
+        weights and given its share again; a rollout is a pure function of step and weights."""
+        shards = [list(s) for s in np.array_split(np.array(items, dtype=object), len(self.workers))]
+        outs = [w.rollout.options(num_returns=3).remote(step, s) for w, s in zip(self.workers, shards)]
+        metas = []
+        for j, (worker, shard) in enumerate(zip(self.workers, shards)):
+            def again(worker=worker, shard=shard, j=j):
+                outs[j] = worker.rollout.options(num_returns=3).remote(step, shard)
+                return outs[j][0]
+            def reload(worker=worker):
+                get([worker.load_weights.remote(e, self.versions[e], self.snapshots[e][0]) for e in self.expert_ids])
+            meta, faults = survive(outs[j][0], again, reload, self.config.cluster.max_restarts, lost=(NotSynced,))
+            self.faults["worker_restarts"] += faults
+            metas.append(meta)
+        return metas, outs
+
+    def update(self, step: int, due: list[str], args: dict[str, tuple]) -> dict[str, dict]:
+        """The due experts' updates, concurrently, then each one's new snapshot. An expert that died
+        is restarted by Ray, restored from its previous snapshot and given the same update again:
+        applied exactly once (updates are idempotent by step)."""
+        calls = {e: self.experts[e].update.remote(step, *args[e]) for e in due}
+        snaps = {e: self.experts[e].snapshot.options(num_returns=3).remote() for e in due}
+        stats = {}
+        for e in due:
+            expert, previous = self.experts[e], self.snapshots[e]
+            def again(expert=expert, e=e):
+                calls[e] = expert.update.remote(step, *args[e])
+                snaps[e] = expert.snapshot.options(num_returns=3).remote()
+                return snaps[e][2]
+            info, faults = survive(snaps[e][2], again, lambda: get(expert.restore.remote(*previous)),
+                                   self.config.cluster.max_restarts)
+            self.faults["expert_restarts"] += faults
+            if info["last_step"] != step:
+                raise RuntimeError(f"{e} did not apply the update of step {step} ({info})")
+            stats[e], self.snapshots[e] = get(calls[e]), snaps[e]
+        return stats
 
     def make_items(self, step: int) -> list[dict]:
         """This step's samples: G per prompt, the last S of each group with the original prompt."""
@@ -65,24 +124,23 @@ class DriverActor:
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
         items = self.make_items(step)
-        shards = [list(s) for s in np.array_split(np.array(items, dtype=object), len(self.workers))]
-        outs = [w.rollout.options(num_returns=3).remote(step, s) for w, s in zip(self.workers, shards)]
-        metas = get([o[0] for o in outs])        # small: rewards, version vectors, refinements
+        metas, outs = self.rollout(step, items)  # metas are small: rewards, version vectors, refinements
         self.check_versions(step, [v for m in metas for v in m["versions"]])
         terms, counterfactual = gather(metas, "terms"), gather(metas, "counterfactual")
+        valid = gather(metas, "valid")["valid"]
         groups = np.array([it["group"] for it in items])
         refined = np.array([it["refine"] for it in items])
         adv = advantages(self.config.algorithm.credit, terms, self.config.reward.weights, groups, refined,
-                         self.credited, self.config.algorithm.adv_clip, counterfactual)
+                         self.credited, self.config.algorithm.adv_clip, counterfactual, valid)
         t_update = time.perf_counter()
-        due = [e for e in self.trained if step % self.config.expert(e).update_every == 0]
-        calls = {e: self.experts[e].update.remote(step, adv[e], *[o[2] for o in outs]) if e == "generator"
-                 else self.experts[e].update.remote(step, adv[e][refined], *[o[1] for o in outs]) for e in due}
-        stats = get(calls)  # the updates above run concurrently, one per expert actor
+        due = [e for e in self.trained if step % self.config.expert(e).update_every == 0 and valid.any()]
+        stats = self.update(step, due, {e: (adv[e], *[o[2] for o in outs]) if e == "generator"
+                                        else (adv[e][refined], *[o[1] for o in outs]) for e in due})
         self.versions.update({e: s["version"] for e, s in stats.items()})
         t_sync = time.perf_counter()
         sync_s = self.publish(due)
-        row = self.metrics_row(step, terms, counterfactual, refined, metas, stats)
+        row = self.metrics_row(step, terms, counterfactual, refined & valid, valid, metas, stats)
+        row.update({f"faults/{k}": n for k, n in self.faults.items()})  # actor faults survived so far
         row.update({"time/rollout_s": t_update - start, "time/update_s": t_sync - t_update,
                     "time/sync_s": sync_s, "time/step_s": time.perf_counter() - start})
         return row
@@ -95,15 +153,22 @@ class DriverActor:
                 raise RuntimeError(f"step {step}: samples made with stale weights {stale}, "
                                    f"expected {self.versions}")
 
-    def metrics_row(self, step, terms, counterfactual, refined, metas, stats) -> dict:
+    def metrics_row(self, step, terms, counterfactual, refined, valid, metas, stats) -> dict:
+        """Rewards are means over the valid samples (None in a step without any)."""
         cfg = self.config
         total = total_reward(terms, cfg.reward.weights)
+        def mean(values, where):
+            return float(values[where].mean()) if where.any() else None
         row = {"step": step, "n_experts": len(self.expert_ids), "credit": cfg.algorithm.credit,
                "rollouts": (step + 1) * cfg.trainer.prompts_per_step * cfg.algorithm.group_size,
-               "reward/total": float(total.mean())}
-        row.update({f"reward/{t}": float(v.mean()) for t, v in terms.items()})
+               "reward/total": mean(total, valid)}
+        row.update({f"reward/{t}": mean(v, valid) for t, v in terms.items()})
         for e, owned in self.owns.items():
-            row[f"reward/{e}"] = float(np.mean([terms[t][refined].mean() for t in owned]))
+            row[f"reward/{e}"] = float(np.mean([terms[t][refined].mean() for t in owned])) if refined.any() else None
+        faults = {k: sum(m["faults"].get(k, 0) for m in metas) for k in FAULTS}
+        row.update({f"faults/{k}": n for k, n in faults.items()})
+        row["faults/dropped_samples"] = int((~valid).sum())
+        row["faults/skipped_update"] = int(not valid.any())
         row.update({f"version/{e}": v for e, v in self.versions.items()})
         row["version/text_encoder"] = metas[0]["versions"][0]["text_encoder"]
         for e, s in stats.items():
@@ -114,6 +179,7 @@ class DriverActor:
         row["text_encoder/cache_hit_rate"] = hits / max(1, hits + sum(m["cache_misses"] for m in metas))
         for e, without in counterfactual.items():
             drawn = ~np.isnan(without)
+            drawn &= valid
             row[f"counterfactual/{e}"] = float(np.mean(total[drawn] - without[drawn])) if drawn.any() else 0.0
         if counterfactual:
             row["counterfactual/generations"] = int(sum((~np.isnan(v)).sum() for v in counterfactual.values()))
@@ -121,13 +187,13 @@ class DriverActor:
         return row
 
     def save_checkpoint(self, step: int) -> Path:
-        states = get({e: self.experts[e].state.remote() for e in self.expert_ids})
-        return checkpoint.save(self.run_dir, step, states)
+        states = {e: {**get(s[2]), "weights": get(s[0]), "optimizer": get(s[1])} for e, s in self.snapshots.items()}
+        return checkpoint.save(self.run_dir, step, states, keep=self.config.trainer.keep_checkpoints)
 
     def run(self, on_row=None) -> dict:
         every = self.config.trainer.checkpoint_every
         steps = self.config.trainer.steps
-        for step in range(steps):
+        for step in range(self.start_step, steps):
             row = self.train_step(step)
             self.metrics.append(row)
             if on_row:
@@ -143,8 +209,10 @@ class DriverActor:
     def inspect(self) -> dict:
         """Where every version stands: experts, workers, the sync registry, and who is trained."""
         return {"experts": get({e: h.info.remote() for e, h in self.experts.items()}),
+                "snapshots": get({e: s[2] for e, s in self.snapshots.items()}),
                 "workers": get([w.version_vector.remote() for w in self.workers]),
                 "registry": get(self.sync.registrations.remote()), "update_targets": list(self.trained)}
 
     def expert_weights(self, expert_id: str) -> dict:
-        return get(self.experts[expert_id].weights.remote())
+        """The weights of `expert_id`'s latest snapshot (what was last published)."""
+        return get(self.snapshots[expert_id][0])

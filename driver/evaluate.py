@@ -13,17 +13,12 @@ import numpy as np
 import torch
 
 from cluster.rollout import RolloutWorker
+from driver import checkpoint
 from driver.config import ConfigError, load_config
 from driver.images import grid, write_png
+from experts import state_file
 from experts.seeding import derive_seed
 from tasks.shapes import CATEGORIES, eval_set, paraphrase, prompt_set
-
-
-def latest_checkpoint(run_dir: Path) -> Path:
-    steps = sorted((run_dir / "checkpoints").glob("step_*[0-9]"))
-    if not steps:
-        raise ConfigError(f"--run '{run_dir}' has no checkpoints (expected {run_dir}/checkpoints/step_N)")
-    return steps[-1]
 
 
 def held_out_sets(config) -> dict[str, list]:
@@ -58,8 +53,9 @@ def evaluate_run(run_dir: Path) -> dict:
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--run '{run_dir}' is not a run directory (no config.yaml)")
     config = load_config(str(run_dir / "config.yaml"))
-    ckpt = latest_checkpoint(run_dir)
-    weights = {e: {k: v.numpy() for k, v in torch.load(ckpt / f"{e}.pt", weights_only=True)["weights"].items()}
+    ckpt = checkpoint.latest(run_dir)
+    checkpoint.manifest(ckpt)  # every file matches its hash
+    weights = {e: {k: v.numpy() for k, v in state_file.read_weights(ckpt / f"{e}.safetensors").items()}
                for e in config.experts.ids()}
     report = {"checkpoint": str(ckpt), **evaluate(config, weights, run_dir / "eval_samples.png")}
     (run_dir / "eval.json").write_text(json.dumps(report, indent=1))
@@ -69,12 +65,13 @@ def evaluate_run(run_dir: Path) -> dict:
 def base_config(config, base: Path):
     """`config` starting from the pretrained base in `base`, evaluated without refinement."""
     for name in ("generator", "text_encoder"):
-        if not (base / f"{name}.pt").is_file():
-            raise ConfigError(f"--base '{base}' holds no {name}.pt (expected the folder `jointrl pretrain` wrote)")
+        if not (base / f"{name}.safetensors").is_file():
+            raise ConfigError(f"--base '{base}' holds no {name}.safetensors (expected the folder `jointrl pretrain` "
+                              f"wrote)")
     return config.model_copy(update={
         "experts": config.experts.model_copy(update={
-            "generator": config.experts.generator.model_copy(update={"init": str(base / "generator.pt")}),
-            "text_encoder": config.experts.text_encoder.model_copy(update={"init": str(base / "text_encoder.pt")})}),
+            "generator": config.experts.generator.model_copy(update={"init": str(base / "generator.safetensors")}),
+            "text_encoder": config.experts.text_encoder.model_copy(update={"init": str(base / "text_encoder.safetensors")})}),
         "evaluation": config.evaluation.model_copy(update={"refine": False})})
 
 

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from driver.checkpoint import atomic_dir
+from experts import state_file
 from experts.build import build_model, fresh_model
 from experts.seeding import derive_seed
 from tasks.shapes import (BOS, CATEGORIES, EOS, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, WORD_TO_ID, make_prompt,
@@ -97,7 +98,7 @@ def flow_matching_loss(generator, encoder, ids, images, gen: torch.Generator):
 def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
     """Train (or reuse) the base for `config`; returns its folder and whether it was reused."""
     out = base_dir(config)
-    if (out / "manifest.json").is_file():
+    if (out / "manifest.json").is_file() and (out / "generator.safetensors").is_file():
         return out, True
     pc = config.pretrain
     torch.set_num_threads(pc.threads)
@@ -147,8 +148,8 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
     of the captions' detail segments. Cached by a hash like the base; returns (file, reused)."""
     refiner = config.expert(expert_id)
     out = Path(config.pretrain.out_dir) / f"refiner-{refiner_key(config, refiner)}"
-    if (out / "manifest.json").is_file():
-        return out / "refiner.pt", True
+    if (out / "manifest.json").is_file() and (out / "refiner.safetensors").is_file():
+        return out / "refiner.safetensors", True
     pc = config.pretrain
     torch.set_num_threads(pc.threads)
     model = fresh_model(config, expert_id)
@@ -163,15 +164,15 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
         optimizer.step()
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
     save_base(out, {"refiner": model}, {"key": refiner_key(config, refiner), "final_loss": loss.item()})
-    return out / "refiner.pt", False
+    return out / "refiner.safetensors", False
 
 
 def pretrain_all(config, progress: bool = True) -> tuple[list[str], bool]:
     """The base generator and text encoder, then every refiner's supervised start (each cached).
     Returns the `--set` overrides that start a run from them, and whether all were reused."""
     base, reused = pretrain(config, progress)
-    overrides = [f"experts.generator.init={base.resolve() / 'generator.pt'}",
-                 f"experts.text_encoder.init={base.resolve() / 'text_encoder.pt'}"]
+    overrides = [f"experts.generator.init={base.resolve() / 'generator.safetensors'}",
+                 f"experts.text_encoder.init={base.resolve() / 'text_encoder.safetensors'}"]
     for i in range(len(config.experts.refiners)):
         path, again = pretrain_refiner(config, f"refiner_{i}", progress)
         overrides.append(f"experts.refiner_{i}.init={path.resolve()}")
@@ -183,5 +184,5 @@ def save_base(out: Path, models: dict, manifest: dict) -> None:
     """Written like a checkpoint (temporary folder, then renamed): a base is whole or absent."""
     with atomic_dir(out) as tmp:
         for name, model in models.items():
-            torch.save({"version": 0, "weights": model.state_dict()}, tmp / f"{name}.pt")
+            state_file.write(tmp, name, {"weights": {k: v.numpy() for k, v in model.state_dict().items()}})
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))

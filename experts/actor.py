@@ -54,8 +54,23 @@ class ExpertActor:
 
     def state(self) -> dict:
         """Everything a checkpoint needs to restore this expert exactly."""
-        return {"version": self.version, "last_step": self.last_step, "weights": self.weights(),
-                "optimizer": self.optimizer.state_dict()}
+        weights, optimizer, info = self.snapshot()
+        return {**info, "weights": weights, "optimizer": optimizer}
+
+    def snapshot(self) -> tuple[dict, dict, dict]:
+        """(weights, optimizer state, {version, last_step}) as three objects: the driver keeps
+        the latest as ObjectRefs (it owns them, so they outlive this actor), publishes the weights
+        alone and fetches only the small third one."""
+        return self.weights(), copy.deepcopy(self.optimizer.state_dict()), self.info()
+
+    def restore(self, weights: dict, optimizer: dict | None, info: dict) -> dict:
+        """Back to a snapshot or checkpoint: weights, optimizer moments, version and last applied
+        step. The frozen reference is rebuilt from the config, as it was at the start."""
+        self.model.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in weights.items()})
+        if optimizer is not None:
+            self.optimizer.load_state_dict(optimizer)
+        self.version, self.last_step, self.last_stats = info["version"], info["last_step"], {}
+        return self.info()
 
     def update(self, step: int, advantages: np.ndarray, *shards: dict) -> dict:
         """One optimizer step on this step's samples; a repeated call for the same step is a no-op."""

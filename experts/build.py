@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from experts import state_file
 from experts.dit import TinyDiT
 from experts.refiner_lm import TinyCausalLM
 from experts.seeding import derive_seed
@@ -36,8 +37,9 @@ def fresh_model(config, expert_id: str) -> torch.nn.Module:
 
 
 def load_init_weights(model: torch.nn.Module, path: str, expert_id: str) -> None:
-    """Start from the weights in a checkpoint file (`checkpoints/step_N/<expert>.pt`), no pickle."""
+    """Start from the weights in an expert file (`checkpoints/step_N/<expert>.safetensors` or a
+    pretrained base's), never through pickle."""
     try:
-        model.load_state_dict(torch.load(path, weights_only=True)["weights"])
-    except (OSError, RuntimeError, KeyError, TypeError) as e:
+        model.load_state_dict(state_file.read_weights(path))
+    except (ValueError, RuntimeError) as e:
         raise ValueError(f"experts.{expert_id}.init: cannot load weights from '{path}': {e}") from None

@@ -3,10 +3,10 @@ import json
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
 import driver.cli as cli
+from experts import state_file
 from experts.build import build_model
 from tests.conftest import make_config, mean, run_training
 
@@ -127,8 +127,8 @@ def test_cli_trains_on_ray_and_writes_the_contract(tmp_path, capsys):
     ckpt = run_dir / "checkpoints" / "step_000002"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["versions"] == {e: 2 for e in ids}
-    state = torch.load(ckpt / "generator.pt", weights_only=True)
-    assert state["version"] == 2 and state["weights"]
+    state = state_file.read(ckpt, "generator")
+    assert state["version"] == 2 and state["weights"] and state["optimizer"]["state"]
     assert cli.main(["eval", "--run", str(run_dir)]) == 0
     report = json.loads((run_dir / "eval.json").read_text())
     for name in ("held_out", "paraphrased"):

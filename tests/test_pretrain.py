@@ -6,6 +6,7 @@ import torch
 
 import driver.cli as cli
 from driver.pretrain import base_dir, caption_batch, flow_matching_loss, pretrain, pretrain_all
+from experts import state_file
 from experts.build import build_model
 from tasks.shapes import EOS, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, colour_map, prompt_set
 from tests.conftest import make_config
@@ -17,15 +18,17 @@ SMALL = ["pretrain.steps=40", "pretrain.batch_size=8", "pretrain.threads=1", "ev
 def test_pretrain_caches_by_config_hash_and_train_starts_from_it(tmp_path):
     cfg = make_config(*SMALL, f"pretrain.out_dir={tmp_path}", preset="shapes-tiny")
     base, reused = pretrain(cfg, progress=False)
-    assert not reused and {p.name for p in base.iterdir()} == {"generator.pt", "text_encoder.pt", "manifest.json"}
-    stamp = (base / "generator.pt").stat().st_mtime_ns
+    assert not reused and {p.name for p in base.iterdir()} == {"generator.safetensors", "generator.json",
+                                                         "text_encoder.safetensors", "text_encoder.json",
+                                                         "manifest.json"}
+    stamp = (base / "generator.safetensors").stat().st_mtime_ns
     again, reused = pretrain(cfg, progress=False)
-    assert again == base and reused and (base / "generator.pt").stat().st_mtime_ns == stamp
+    assert again == base and reused and (base / "generator.safetensors").stat().st_mtime_ns == stamp
     other = make_config(*SMALL, "pretrain.lr=0.001", f"pretrain.out_dir={tmp_path}", preset="shapes-tiny")
     assert base_dir(other) != base
-    started = make_config(*SMALL, f"experts.generator.init={base / 'generator.pt'}",
-                          f"experts.text_encoder.init={base / 'text_encoder.pt'}", preset="shapes-tiny")
-    saved = torch.load(base / "generator.pt", weights_only=True)["weights"]
+    started = make_config(*SMALL, f"experts.generator.init={base / 'generator.safetensors'}",
+                          f"experts.text_encoder.init={base / 'text_encoder.safetensors'}", preset="shapes-tiny")
+    saved = state_file.read_weights(base / "generator.safetensors")
     built = build_model(started, "generator").state_dict()
     assert all(torch.equal(saved[k], v) for k, v in built.items())
     assert not all(torch.equal(v, build_model(cfg, "generator").state_dict()[k]) for k, v in built.items())

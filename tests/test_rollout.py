@@ -69,20 +69,20 @@ def test_generator_starts_from_an_init_checkpoint(tmp_path):
     import pytest
 
     from driver import checkpoint
+    from driver.config import ConfigError
     trained = ExpertActor(CFG, "generator")
     worker, _ = _synced_worker()
     _, _, traj = worker.rollout(0, _items())
     trained.update(0, np.linspace(-1, 1, len(traj["logps"])), traj)
-    path = checkpoint.save(tmp_path, 1, {"generator": trained.state()}) / "generator.pt"
+    path = checkpoint.save(tmp_path, 1, {"generator": trained.state()}) / "generator.safetensors"
     cfg = make_config("experts.n_refiners=2", f"experts.generator.init={path}", preset="shapes-tiny")
     started = ExpertActor(cfg, "generator")
     assert all(np.array_equal(v, trained.weights()[k]) for k, v in started.weights().items())
     assert started.version == 0  # a new run's version counts from 0
-    corrupt = tmp_path / "corrupt.pt"
+    corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(path.read_bytes()[:100])
-    bad = make_config("experts.n_refiners=2", f"experts.generator.init={corrupt}", preset="shapes-tiny")
-    with pytest.raises(ValueError, match="experts.generator.init"):
-        ExpertActor(bad, "generator")
+    with pytest.raises(ConfigError, match="experts.generator.init"):
+        make_config("experts.n_refiners=2", f"experts.generator.init={corrupt}", preset="shapes-tiny")
 
 
 def _counterfactual_worker(*overrides):

@@ -1,0 +1,54 @@
+"""One expert's state on disk: tensors in `<id>.safetensors`, the rest in `<id>.json`.
+
+Safetensors holds the weights (`weights.<name>`) and the optimizer's tensors
+(`optimizer.<param>.<key>`); JSON holds the version, the last applied step and the optimizer's
+hyper-parameters. Nothing is ever loaded through pickle.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+
+def write(folder: Path, expert_id: str, state: dict) -> None:
+    """`state`: {"weights": {name: array}, "version", "last_step", "optimizer": a state_dict or None}."""
+    tensors = {f"weights.{k}": torch.tensor(np.asarray(v)).contiguous() for k, v in state["weights"].items()}
+    opt = state.get("optimizer") or {"state": {}, "param_groups": []}
+    for pid, entries in opt["state"].items():
+        for key, value in entries.items():
+            tensors[f"optimizer.{pid}.{key}"] = torch.as_tensor(value).clone().contiguous()
+    save_file(tensors, str(folder / f"{expert_id}.safetensors"))
+    meta = {"version": state.get("version", 0), "last_step": state.get("last_step", -1),
+            "param_groups": opt["param_groups"]}
+    (folder / f"{expert_id}.json").write_text(json.dumps(meta, indent=1))
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"cannot read '{path}' as safetensors: {e}") from None
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Just the weights of an expert file (a run checkpoint's or a pretrained base's)."""
+    return {k[len("weights."):]: v for k, v in read_tensors(Path(path)).items() if k.startswith("weights.")}
+
+
+def read(folder: Path, expert_id: str) -> dict:
+    """The state `write` wrote, with the optimizer's state_dict rebuilt."""
+    tensors = read_tensors(folder / f"{expert_id}.safetensors")
+    meta = json.loads((folder / f"{expert_id}.json").read_text())
+    opt_state: dict[int, dict] = {}
+    for k, v in tensors.items():
+        if k.startswith("optimizer."):
+            _, pid, key = k.split(".", 2)
+            opt_state.setdefault(int(pid), {})[key] = v
+    return {"version": meta["version"], "last_step": meta["last_step"],
+            "weights": {k[len("weights."):]: v.numpy() for k, v in tensors.items() if k.startswith("weights.")},
+            "optimizer": {"state": opt_state, "param_groups": meta["param_groups"]} if meta["param_groups"] else None}
