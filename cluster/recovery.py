@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-from cluster.runtime import get
 
 from ray.exceptions import RayActorError
 
@@ -19,28 +18,24 @@ class NotSynced(RuntimeError):
     """A rollout worker asked to serve before it holds every expert's weights (it restarted)."""
 
 
-def survive(ref, retry, recover, attempts: int, lost: tuple = (), wait_s: float = 120.0):
-    """`get(ref)`; if its actor died (or raised one of `lost`), `recover()`, then `get(retry())`,
-    up to `attempts` times. Returns (value, faults survived)."""
+def survive(attempt, recover, attempts: int, lost: tuple = (), wait_s: float = 120.0):
+    """`attempt(first)` fetches (and, when not `first`, first resubmits) a call's result. If its
+    actor died, or the result shows one of `lost`, `recover()` (waiting out Ray's restart) and
+    attempt again, up to `attempts` times. Returns (value, faults survived)."""
     faults = 0
     while True:
         try:
-            return get(ref), faults
+            return attempt(faults == 0), faults
         except (RayActorError, *lost):
             if faults == attempts:
                 raise
             faults += 1
-            ref = restarted(recover, retry, wait_s)
-
-
-def restarted(recover, retry, wait_s: float):
-    """`recover()` then `retry()`, waiting out an actor that Ray is still restarting."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            recover()
-            return retry()
-        except RayActorError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    recover()
+                    break
+                except RayActorError:  # still restarting
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)

@@ -18,7 +18,7 @@ from cluster.weight_sync import WeightSyncActor
 from driver import checkpoint
 from driver.credit import advantages
 from driver.metrics import MetricsLog
-from experts.actor import ExpertActor
+from experts.actor import ExpertActor, StaleExpert
 from experts.seeding import derive_seed
 from tasks.reward import total_reward
 from tasks.reward_guard import FAULTS
@@ -62,14 +62,15 @@ class DriverActor:
         """Deliver the latest snapshot weights of `expert_ids` to every rollout worker; returns
         seconds. If the sync actor or a worker died, every expert is published again, which
         rebuilds the restarted sync actor's registry and a restarted worker's weights."""
-        def release(ids):
-            return self.sync.publish.remote([(e, self.versions[e], [self.snapshots[e][0]]) for e in ids])
-        if not expert_ids:
-            return 0.0
+        def attempt(first):
+            ids = expert_ids if first else self.expert_ids
+            return get(self.sync.publish.remote([(e, self.versions[e], [self.snapshots[e][0]]) for e in ids]))
+
         def alive():  # the sync actor and every worker answer once Ray has restarted them
             get([self.sync.registrations.remote(), *[w.version_vector.remote() for w in self.workers]])
-        out, faults = survive(release(expert_ids), lambda: release(self.expert_ids), alive,
-                              self.config.cluster.max_restarts)
+        if not expert_ids:
+            return 0.0
+        out, faults = survive(attempt, alive, self.config.cluster.max_restarts)
         self.faults["sync_restarts"] += faults
         return out["sync_s"]
 
@@ -81,12 +82,14 @@ class DriverActor:
         outs = [w.rollout.options(num_returns=3).remote(step, s) for w, s in zip(self.workers, shards)]
         metas = []
         for j, (worker, shard) in enumerate(zip(self.workers, shards)):
-            def again(worker=worker, shard=shard, j=j):
-                outs[j] = worker.rollout.options(num_returns=3).remote(step, shard)
-                return outs[j][0]
+            def attempt(first, worker=worker, shard=shard, j=j):
+                if not first:
+                    outs[j] = worker.rollout.options(num_returns=3).remote(step, shard)
+                return get(outs[j][0])
+
             def reload(worker=worker):
                 get([worker.load_weights.remote(e, self.versions[e], self.snapshots[e][0]) for e in self.expert_ids])
-            meta, faults = survive(outs[j][0], again, reload, self.config.cluster.max_restarts, lost=(NotSynced,))
+            meta, faults = survive(attempt, reload, self.config.cluster.max_restarts, lost=(NotSynced,))
             self.faults["worker_restarts"] += faults
             metas.append(meta)
         return metas, outs
@@ -94,22 +97,27 @@ class DriverActor:
     def update(self, step: int, due: list[str], args: dict[str, tuple]) -> dict[str, dict]:
         """The due experts' updates, concurrently, then each one's new snapshot. An expert that died
         is restarted by Ray, restored from its previous snapshot and given the same update again:
-        applied exactly once (updates are idempotent by step)."""
-        calls = {e: self.experts[e].update.remote(step, *args[e]) for e in due}
-        snaps = {e: self.experts[e].snapshot.options(num_returns=3).remote() for e in due}
+        applied exactly once. A restarted instance never passes for the old one: it refuses an
+        update from a version it does not hold, and its snapshot must show this step's version."""
+        def submit(e):
+            return (self.experts[e].update.remote(step, self.versions[e], *args[e]),
+                    self.experts[e].snapshot.options(num_returns=3).remote())
+        calls = {e: submit(e) for e in due}
         stats = {}
         for e in due:
-            expert, previous = self.experts[e], self.snapshots[e]
-            def again(expert=expert, e=e):
-                calls[e] = expert.update.remote(step, *args[e])
-                snaps[e] = expert.snapshot.options(num_returns=3).remote()
-                return snaps[e][2]
-            info, faults = survive(snaps[e][2], again, lambda: get(expert.restore.remote(*previous)),
-                                   self.config.cluster.max_restarts)
+            def attempt(first, e=e):
+                if not first:
+                    calls[e] = submit(e)
+                result, info = get(calls[e][0]), get(calls[e][1][2])
+                if info != {"version": self.versions[e] + 1, "last_step": step}:
+                    raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
+                return result
+
+            def restore(e=e, previous=self.snapshots[e]):
+                get(self.experts[e].restore.remote(*previous))
+            stats[e], faults = survive(attempt, restore, self.config.cluster.max_restarts, lost=(StaleExpert,))
             self.faults["expert_restarts"] += faults
-            if info["last_step"] != step:
-                raise RuntimeError(f"{e} did not apply the update of step {step} ({info})")
-            stats[e], self.snapshots[e] = get(calls[e]), snaps[e]
+            self.snapshots[e] = calls[e][1]
         return stats
 
     def make_items(self, step: int) -> list[dict]:

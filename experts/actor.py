@@ -35,6 +35,10 @@ def merge_generator_batches(shards: list[dict]) -> dict:
             "logps": torch.cat([_tensor(s["logps"]) for s in shards]), "text": text, "text_pad": pad}
 
 
+class StaleExpert(RuntimeError):
+    """An expert asked to update from a version it does not hold (it restarted and lost its state)."""
+
+
 class ExpertActor:
     def __init__(self, config, expert_id: str):
         torch.set_num_threads(1)
@@ -72,10 +76,14 @@ class ExpertActor:
         self.version, self.last_step, self.last_stats = info["version"], info["last_step"], {}
         return self.info()
 
-    def update(self, step: int, advantages: np.ndarray, *shards: dict) -> dict:
-        """One optimizer step on this step's samples; a repeated call for the same step is a no-op."""
+    def update(self, step: int, version: int, advantages: np.ndarray, *shards: dict) -> dict:
+        """One optimizer step on this step's samples, from `version` (the one the driver published);
+        a repeated call for the same step is a no-op. An expert at another version (a restarted
+        instance, back at 0) refuses, so the driver restores it first: never a silent reset."""
         if step <= self.last_step:
             return self.last_stats
+        if version != self.version:
+            raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to update from {version}")
         adv = torch.tensor(np.asarray(advantages), dtype=torch.float32)
         self.model.train()
         if self.expert_id == "generator":

@@ -1,8 +1,9 @@
 """Rollout worker behaviour in-process: version vectors, cache survival across syncs, determinism."""
 import numpy as np
+import pytest
 
 from cluster.rollout import RolloutWorker
-from experts.actor import ExpertActor
+from experts.actor import ExpertActor, StaleExpert
 from tests.conftest import make_config
 from tasks.shapes import prompt_set
 
@@ -31,7 +32,7 @@ def test_refiner_sync_keeps_the_text_encoder_cache_and_bumps_only_that_version()
     assert cached
     refiner_batch = worker.rollout(0, items)[1]
     adv = np.ones(len(refiner_batch["refiner_0"]["prompts"]))
-    stats = experts["refiner_0"].update(0, adv, refiner_batch)
+    stats = experts["refiner_0"].update(0, 0, adv, refiner_batch)
     worker.load_weights("refiner_0", stats["version"], experts["refiner_0"].weights())
     assert worker.version_vector() == {"refiner_0": 1, "refiner_1": 0, "generator": 0, "text_encoder": 0}
     assert all(k in worker.encoder.cache for k in cached)   # a refiner sync invalidates nothing
@@ -58,22 +59,23 @@ def test_expert_update_is_idempotent_by_step():
     _, _, traj = worker.rollout(0, _items())
     gen = experts["generator"]
     adv = np.linspace(-1, 1, len(traj["logps"]))
-    first = gen.update(0, adv, traj)
+    first = gen.update(0, 0, adv, traj)
     weights = gen.weights()
-    again = gen.update(0, adv, traj)
+    again = gen.update(0, 0, adv, traj)
     assert again == first and gen.version == 1
     assert all(np.array_equal(weights[k], v) for k, v in gen.weights().items())
+    with pytest.raises(StaleExpert, match="at version 1, asked to update from 0"):
+        gen.update(1, 0, adv, traj)  # what a restarted instance would be asked: it must refuse
+    assert gen.version == 1
 
 
 def test_generator_starts_from_an_init_checkpoint(tmp_path):
-    import pytest
-
     from driver import checkpoint
     from driver.config import ConfigError
     trained = ExpertActor(CFG, "generator")
     worker, _ = _synced_worker()
     _, _, traj = worker.rollout(0, _items())
-    trained.update(0, np.linspace(-1, 1, len(traj["logps"])), traj)
+    trained.update(0, 0, np.linspace(-1, 1, len(traj["logps"])), traj)
     path = checkpoint.save(tmp_path, 1, {"generator": trained.state()}) / "generator.safetensors"
     cfg = make_config("experts.n_refiners=2", f"experts.generator.init={path}", preset="shapes-tiny")
     started = ExpertActor(cfg, "generator")
