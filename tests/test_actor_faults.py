@@ -14,8 +14,6 @@ from tests.conftest import make_config, run_training
 STEPS = 8
 TARGETS = {"expert": "expert/refiner_1", "generator": "expert/generator", "worker": "rollout/1",
            "sync": "weight_sync"}
-COUNTER = {"expert": "expert_restarts", "generator": "expert_restarts", "worker": "worker_restarts",
-           "sync": "sync_restarts"}
 
 
 def config(name):
@@ -54,7 +52,9 @@ def test_killed_actor_is_restored_and_the_run_is_unchanged(kind, reference, tmp_
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))                  # nothing lost
     noticed = sum(rows[-1][f"faults/{c}"] for c in ("expert_restarts", "worker_restarts", "sync_restarts"))
-    assert noticed == killed and rows[-1][f"faults/{COUNTER[kind]}"] > 0    # every kill noticed and survived
+    assert noticed == killed                                               # every kill noticed and survived
+    if kind in ("expert", "generator"):  # only updates call experts; a dead worker may be noticed by a publish
+        assert rows[-1]["faults/expert_restarts"] == killed
     for e in ("refiner_0", "refiner_1", "refiner_2", "generator"):
         versions = [r[f"version/{e}"] for r in rows]
         assert versions == list(range(1, STEPS + 1)), (e, versions)        # exactly once, monotonic
