@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-
 from ray.exceptions import RayActorError
 
 

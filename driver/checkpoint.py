@@ -41,19 +41,25 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def save(run_dir: Path, step: int, states: dict[str, dict], keep: int = 0) -> Path:
-    """Write checkpoint `step` (the driver resumes at this step) and prune to the last `keep`."""
+def save(run_dir: Path, step: int, snapshots: dict[str, tuple], keep: int = 0) -> Path:
+    """Write checkpoint `step` (the driver resumes at this step) from each expert's
+    (weights, optimizer, info) snapshot, and prune to the last `keep`."""
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     with atomic_dir(final) as tmp:
-        for eid, st in states.items():
-            state_file.write(tmp, eid, st)
+        for eid, snapshot in snapshots.items():
+            state_file.write(tmp, eid, *snapshot)
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / "manifest.json").write_text(json.dumps(
-            {"step": step, "versions": {e: s["version"] for e, s in states.items()}, "files": files}, indent=1))
+            {"step": step, "versions": {e: s[2]["version"] for e, s in snapshots.items()}, "files": files}, indent=1))
     if keep:
         for old in all_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
     return final
+
+
+def step_of(ckpt: Path) -> int:
+    """The step a checkpoint folder resumes at (its name is `step_N`, as `save` writes it)."""
+    return int(ckpt.name.split("_")[1])
 
 
 def all_checkpoints(run_dir: Path) -> list[Path]:
@@ -84,8 +90,8 @@ def manifest(ckpt: Path) -> dict:
     return info
 
 
-def load(ckpt: Path, expert_ids: list[str]) -> tuple[int, dict[str, dict]]:
-    """(the step to resume at, each expert's state) from a verified checkpoint."""
+def verify(ckpt: Path, expert_ids: list[str]) -> int:
+    """The step `ckpt` resumes at, once its files match their hashes and it holds `expert_ids`."""
     info = manifest(ckpt)
     missing = [e for e in expert_ids if f"{e}.safetensors" not in info["files"]]
     extra = sorted(set(info["versions"]) - set(expert_ids))
@@ -93,8 +99,12 @@ def load(ckpt: Path, expert_ids: list[str]) -> tuple[int, dict[str, dict]]:
         raise CheckpointError(f"checkpoint '{ckpt}' holds experts {sorted(info['versions'])}, but the config has "
                               f"{expert_ids} (missing {missing}, unexpected {extra}): it is from another config. "
                               f"Nothing was started.")
-    states = {e: state_file.read(ckpt, e) for e in expert_ids}
-    return info["step"], states
+    return info["step"]
+
+
+def load(ckpt: Path, expert_ids: list[str]) -> tuple[int, dict[str, tuple]]:
+    """(the step to resume at, each expert's (weights, optimizer, info)) from a verified checkpoint."""
+    return verify(ckpt, expert_ids), {e: state_file.read(ckpt, e) for e in expert_ids}
 
 
 def check_shapes(ckpt: Path, expert_id: str, model: torch.nn.Module) -> None:

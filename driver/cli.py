@@ -69,7 +69,7 @@ def prepare_resume(run_dir: str, config_arg: str | None, overrides: list[str]) -
         raise ConfigError(f"--resume '{path}' is not a run directory (no config.yaml there)")
     config = load_config(str(path / "config.yaml"), overrides)
     ckpt = checkpoint.latest(path)
-    step, _ = checkpoint.load(ckpt, config.experts.ids())
+    step = checkpoint.verify(ckpt, config.experts.ids())
     for eid in config.experts.ids():
         checkpoint.check_shapes(ckpt, eid, fresh_model(config, eid))
     if step >= config.trainer.steps:
@@ -107,7 +107,8 @@ def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
 
     from cluster.connect import connect
     from driver.launch import start_driver
-    progress = Progress(config.trainer.steps, int(resume.name.split("_")[1]) if resume else 0)
+    from driver.checkpoint import step_of
+    progress = Progress(config.trainer.steps, step_of(resume) if resume else 0)
     started_here = config.cluster.mode == "ray" and not ray.is_initialized()
     try:
         if config.cluster.mode == "inline":

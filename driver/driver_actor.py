@@ -52,7 +52,7 @@ class DriverActor:
         self.start_step, self.faults = 0, {"expert_restarts": 0, "worker_restarts": 0, "sync_restarts": 0}
         if resume:
             self.start_step, states = checkpoint.load(Path(resume), self.expert_ids)
-            get([self.experts[e].restore.remote(s["weights"], s["optimizer"], s) for e, s in states.items()])
+            get([self.experts[e].restore.remote(*state) for e, state in states.items()])
         self.snapshots = {e: self.experts[e].snapshot.options(num_returns=3).remote() for e in self.expert_ids}
         self.versions = {e: info["version"] for e, info in get({e: s[2] for e, s in self.snapshots.items()}).items()}
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_before=self.start_step)
@@ -195,8 +195,8 @@ class DriverActor:
         return row
 
     def save_checkpoint(self, step: int) -> Path:
-        states = {e: {**get(s[2]), "weights": get(s[0]), "optimizer": get(s[1])} for e, s in self.snapshots.items()}
-        return checkpoint.save(self.run_dir, step, states, keep=self.config.trainer.keep_checkpoints)
+        snapshots = {e: tuple(get(list(refs))) for e, refs in self.snapshots.items()}
+        return checkpoint.save(self.run_dir, step, snapshots, keep=self.config.trainer.keep_checkpoints)
 
     def run(self, on_row=None) -> dict:
         every = self.config.trainer.checkpoint_every

@@ -184,5 +184,5 @@ def save_base(out: Path, models: dict, manifest: dict) -> None:
     """Written like a checkpoint (temporary folder, then renamed): a base is whole or absent."""
     with atomic_dir(out) as tmp:
         for name, model in models.items():
-            state_file.write(tmp, name, {"weights": {k: v.numpy() for k, v in model.state_dict().items()}})
+            state_file.write(tmp, name, {k: v.numpy() for k, v in model.state_dict().items()})
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))

@@ -56,15 +56,11 @@ class ExpertActor:
     def info(self) -> dict:
         return {"version": self.version, "last_step": self.last_step}
 
-    def state(self) -> dict:
-        """Everything a checkpoint needs to restore this expert exactly."""
-        weights, optimizer, info = self.snapshot()
-        return {**info, "weights": weights, "optimizer": optimizer}
-
     def snapshot(self) -> tuple[dict, dict, dict]:
-        """(weights, optimizer state, {version, last_step}) as three objects: the driver keeps
-        the latest as ObjectRefs (it owns them, so they outlive this actor), publishes the weights
-        alone and fetches only the small third one."""
+        """Everything that restores this expert exactly, as three objects: (weights, optimizer
+        state, {version, last_step}). The driver keeps the latest as ObjectRefs (it owns them, so
+        they outlive this actor), publishes the weights alone, fetches only the small third one,
+        and checkpoints all three."""
         return self.weights(), copy.deepcopy(self.optimizer.state_dict()), self.info()
 
     def restore(self, weights: dict, optimizer: dict | None, info: dict) -> dict:

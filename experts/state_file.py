@@ -15,16 +15,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
-def write(folder: Path, expert_id: str, state: dict) -> None:
-    """`state`: {"weights": {name: array}, "version", "last_step", "optimizer": a state_dict or None}."""
-    tensors = {f"weights.{k}": torch.tensor(np.asarray(v)).contiguous() for k, v in state["weights"].items()}
-    opt = state.get("optimizer") or {"state": {}, "param_groups": []}
+def write(folder: Path, expert_id: str, weights: dict, optimizer: dict | None = None,
+          info: dict | None = None) -> None:
+    """An expert's snapshot (`ExpertActor.snapshot`): weights {name: array}, an optimizer
+    state_dict or None, and {"version", "last_step"} (a pretrained base has neither)."""
+    tensors = {f"weights.{k}": torch.tensor(np.asarray(v)).contiguous() for k, v in weights.items()}
+    opt = optimizer or {"state": {}, "param_groups": []}
     for pid, entries in opt["state"].items():
         for key, value in entries.items():
             tensors[f"optimizer.{pid}.{key}"] = torch.as_tensor(value).clone().contiguous()
     save_file(tensors, str(folder / f"{expert_id}.safetensors"))
-    meta = {"version": state.get("version", 0), "last_step": state.get("last_step", -1),
-            "param_groups": opt["param_groups"]}
+    meta = {**(info or {"version": 0, "last_step": -1}), "param_groups": opt["param_groups"]}
     (folder / f"{expert_id}.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -40,8 +41,8 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return {k[len("weights."):]: v for k, v in read_tensors(Path(path)).items() if k.startswith("weights.")}
 
 
-def read(folder: Path, expert_id: str) -> dict:
-    """The state `write` wrote, with the optimizer's state_dict rebuilt."""
+def read(folder: Path, expert_id: str) -> tuple[dict, dict | None, dict]:
+    """The (weights, optimizer state_dict, info) that `write` wrote."""
     tensors = read_tensors(folder / f"{expert_id}.safetensors")
     meta = json.loads((folder / f"{expert_id}.json").read_text())
     opt_state: dict[int, dict] = {}
@@ -49,6 +50,6 @@ def read(folder: Path, expert_id: str) -> dict:
         if k.startswith("optimizer."):
             _, pid, key = k.split(".", 2)
             opt_state.setdefault(int(pid), {})[key] = v
-    return {"version": meta["version"], "last_step": meta["last_step"],
-            "weights": {k[len("weights."):]: v.numpy() for k, v in tensors.items() if k.startswith("weights.")},
-            "optimizer": {"state": opt_state, "param_groups": meta["param_groups"]} if meta["param_groups"] else None}
+    weights = {k[len("weights."):]: v.numpy() for k, v in tensors.items() if k.startswith("weights.")}
+    optimizer = {"state": opt_state, "param_groups": meta["param_groups"]} if meta["param_groups"] else None
+    return weights, optimizer, {"version": meta["version"], "last_step": meta["last_step"]}

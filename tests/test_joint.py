@@ -127,8 +127,8 @@ def test_cli_trains_on_ray_and_writes_the_contract(tmp_path, capsys):
     ckpt = run_dir / "checkpoints" / "step_000002"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["versions"] == {e: 2 for e in ids}
-    state = state_file.read(ckpt, "generator")
-    assert state["version"] == 2 and state["weights"] and state["optimizer"]["state"]
+    weights, optimizer, info = state_file.read(ckpt, "generator")
+    assert info == {"version": 2, "last_step": 1} and weights and optimizer["state"]
     assert cli.main(["eval", "--run", str(run_dir)]) == 0
     report = json.loads((run_dir / "eval.json").read_text())
     for name in ("held_out", "paraphrased"):

@@ -76,7 +76,7 @@ def test_generator_starts_from_an_init_checkpoint(tmp_path):
     worker, _ = _synced_worker()
     _, _, traj = worker.rollout(0, _items())
     trained.update(0, 0, np.linspace(-1, 1, len(traj["logps"])), traj)
-    path = checkpoint.save(tmp_path, 1, {"generator": trained.state()}) / "generator.safetensors"
+    path = checkpoint.save(tmp_path, 1, {"generator": trained.snapshot()}) / "generator.safetensors"
     cfg = make_config("experts.n_refiners=2", f"experts.generator.init={path}", preset="shapes-tiny")
     started = ExpertActor(cfg, "generator")
     assert all(np.array_equal(v, trained.weights()[k]) for k, v in started.weights().items())
