@@ -10,11 +10,38 @@ from __future__ import annotations
 
 import time
 
+import ray
 from ray.exceptions import RayActorError
 
 
 class NotSynced(RuntimeError):
     """A rollout worker asked to serve before it holds every expert's weights (it restarted)."""
+
+
+class RolloutLost(RuntimeError):
+    """A step's rollout outputs were lost with the node that held them; the rollout is made again."""
+
+
+def this_node() -> str | None:
+    """The Ray node of the calling process (None without Ray)."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def keep_here(refs: tuple, made_on: str | None) -> tuple:
+    """`refs` with their data on this node. An object lives in the store of the node that made it
+    and is lost with it; the driver keeps what it restores experts from (their snapshots) on its
+    own node, which a run cannot outlive anyway. Objects made here are kept as they are."""
+    if made_on == this_node():
+        return refs
+    return tuple(ray.put(value) for value in ray.get(list(refs)))
+
+
+def settle(refs) -> None:
+    """Take the errors of a failed call's other outputs, so Ray does not report them as unhandled."""
+    try:
+        ray.get(list(refs))
+    except (RayActorError, NotSynced, ray.exceptions.RayTaskError):
+        pass
 
 
 def survive(attempt, recover, attempts: int, lost: tuple = (), wait_s: float = 120.0):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cluster.recovery import NotSynced
+from cluster.recovery import NotSynced, this_node
 from experts.build import build_model
 from experts.flow_sde import sample
 from experts.seeding import generator
@@ -42,6 +42,10 @@ class RolloutWorker:
         self.versions[expert_id] = version
         return version
 
+    def node(self) -> str | None:
+        """The Ray node this worker runs on now (it may move when Ray restarts it)."""
+        return this_node()
+
     def version_vector(self) -> dict:
         return {**self.versions, "text_encoder": self.encoder.version}
 
@@ -68,17 +72,20 @@ class RolloutWorker:
                         "text_pad": text_pad.numpy()}
         return meta, refiner_batch, trajectories
 
-    def evaluate(self, prompts: list, refine: bool) -> dict:
-        """Strict correctness of one ODE sample per prompt (refined by every refiner if `refine`)."""
+    def draw(self, prompts: list, refine: bool, tag: str = "eval") -> dict:
+        """One ODE sample per prompt (refined by every refiner if `refine`), its draws seeded by
+        `tag` and the prompt's position: {"images", "refinements"}."""
         items = [{"sample": i, "prompt": p, "refine": refine} for i, p in enumerate(prompts)]
-        refinements, kept_ids, _ = self.refine("eval", items)
+        refinements, kept_ids, _ = self.refine(tag, items)
         text, text_pad = self.encoder(self.compose(items, kept_ids))
-        states, _ = sample(self.models["generator"], text, text_pad, self.noise("eval", items),
+        states, _ = sample(self.models["generator"], text, text_pad, self.noise(tag, items),
                            self.config.experts.generator.noise_level, sde=False)
-        images = states[:, -1].clamp(-1, 1).numpy()
-        return {"correct": [strict_correct(to_uint8(im), p) for im, p in zip(images, prompts)],
-                "images": images,
-                "refinements": as_text(refinements)}
+        return {"images": states[:, -1].clamp(-1, 1).numpy(), "refinements": as_text(refinements)}
+
+    def evaluate(self, prompts: list, refine: bool) -> dict:
+        """Strict correctness of one ODE sample per prompt, with the images and refinements."""
+        out = self.draw(prompts, refine)
+        return {**out, "correct": [strict_correct(to_uint8(im), p) for im, p in zip(out["images"], prompts)]}
 
     def refine(self, step, items: list[dict]):
         """Every refiner's tokens for the samples marked `refine`, each from its own seeded draws."""

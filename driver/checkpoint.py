@@ -107,6 +107,14 @@ def load(ckpt: Path, expert_ids: list[str]) -> tuple[int, dict[str, tuple]]:
     return verify(ckpt, expert_ids), {e: state_file.read(ckpt, e) for e in expert_ids}
 
 
+def latest_weights(run_dir: Path, expert_ids: list[str]) -> tuple[Path, dict[str, dict]]:
+    """(the latest verified checkpoint of `run_dir`, each expert's weights as numpy arrays)."""
+    ckpt = latest(run_dir)
+    verify(ckpt, expert_ids)
+    return ckpt, {e: {k: v.numpy() for k, v in state_file.read_weights(ckpt / f"{e}.safetensors").items()}
+                  for e in expert_ids}
+
+
 def check_shapes(ckpt: Path, expert_id: str, model: torch.nn.Module) -> None:
     """Raise, naming the tensor, if `ckpt`'s weights for `expert_id` do not fit `model`."""
     path = ckpt / f"{expert_id}.safetensors"

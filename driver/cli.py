@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from driver.config import Config, ConfigError, dump_config, load_config
+from driver.config import Config, ConfigError, dump_config, load_config, run_config
 from driver.metrics import progress_line
 
 
@@ -29,12 +29,18 @@ def parse_args(argv):
     which = e.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", help="a run directory (its latest checkpoint is evaluated)")
     which.add_argument("--base", help="a pretrained base folder (evaluated without refinement)")
+    s = sub.add_parser("sample", help="refine a prompt with a run's refiners and draw it with its generator")
+    s.add_argument("--run", required=True, help="a run directory (its latest checkpoint is used)")
+    s.add_argument("--prompt", required=True, help="words of the task's vocabulary, e.g. 'a red circle'")
+    s.add_argument("-n", type=int, default=4, help="images to draw (default 4)")
+    s.add_argument("--seed", type=int, default=0, help="seeds the refiners' and generator's draws")
+    s.add_argument("--out", default=None, help="the PNG to write (default RUN/samples/<prompt>-seed<S>.png)")
     for sp in (t, pre, e):
         sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set trainer.steps=40 (repeatable)")
     args = p.parse_args(argv)
-    if not getattr(args, "resume", None):
+    if hasattr(args, "config") and not getattr(args, "resume", None):
         args.config = args.config or "shapes"
     return args
 
@@ -65,9 +71,7 @@ def prepare_resume(run_dir: str, config_arg: str | None, overrides: list[str]) -
     if config_arg:
         raise ConfigError(f"--resume '{path}' trains with the run's saved config.yaml; drop --config "
                           f"'{config_arg}' (use --set to change a key)")
-    if not (path / "config.yaml").is_file():
-        raise ConfigError(f"--resume '{path}' is not a run directory (no config.yaml there)")
-    config = load_config(str(path / "config.yaml"), overrides)
+    config = run_config(path, "--resume", overrides)
     ckpt = checkpoint.latest(path)
     step = checkpoint.verify(ckpt, config.experts.ids())
     for eid in config.experts.ids():
@@ -146,6 +150,21 @@ def evaluate(args) -> int:
     return 0
 
 
+def run_sample(args) -> int:
+    from driver.sample import sample_run
+    try:
+        if args.n < 1:
+            raise ConfigError(f"-n {args.n}: draw at least one image")
+        drawn = sample_run(Path(args.run), args.prompt, args.n, args.seed, Path(args.out) if args.out else None)
+    except ConfigError as e:
+        return config_error(e)
+    print(f"jointrl: {args.prompt!r} from {drawn['checkpoint']}")
+    for i, refs in enumerate(drawn["refinements"]):
+        print(f"  [{i}] " + ("; ".join(f"{e}: {words or '(nothing)'}" for e, words in refs.items()) or "not refined"))
+    print(f"  images: {drawn['png']}")
+    return 0
+
+
 def run_pretrain(args) -> int:
     from driver.evaluate import evaluate_base, table
     from driver.pretrain import base_dir, pretrain_all
@@ -193,4 +212,4 @@ def run_train(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate}[args.command](args)
+    return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample}[args.command](args)

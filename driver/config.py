@@ -48,6 +48,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class Resources(Strict):
+    """What one actor reserves from Ray; `custom` names resources a node advertises (e.g. a pool)."""
+    num_cpus: NonNegativeFloat = 0.0
+    num_gpus: NonNegativeFloat = 0.0
+    custom: dict[str, NonNegativeFloat] = {}
+
+    def options(self) -> dict:
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.custom)}
+
+
 class TinyLMConfig(Strict):
     kind: Literal["tiny_lm"] = "tiny_lm"
     d_model: PositiveInt = 64
@@ -64,6 +74,7 @@ class RefinerConfig(Strict):
     max_new_tokens: PositiveInt = Field(6, ge=2)
     temperature: PositiveFloat = 1.0
     init: InitPath = None                     # a checkpoint to start from (`jointrl pretrain` writes one)
+    resources: Resources = Resources()
     model: TinyLMConfig = TinyLMConfig()
 
 
@@ -85,6 +96,7 @@ class GeneratorConfig(Strict):
     noise_level: PositiveFloat = 0.7
     sample_steps: PositiveInt = 8
     init: InitPath = None                     # a checkpoint to start from (pretrained base)
+    resources: Resources = Resources()
     model: TinyDiTConfig = TinyDiTConfig()
 
 
@@ -173,6 +185,7 @@ class ClusterConfig(Strict):
     mode: Literal["ray", "inline"] = "ray"
     address: str | None = None                # None: RAY_ADDRESS if set, else a new local Ray
     rollout_workers: PositiveInt = 1
+    rollout_resources: Resources = Resources()  # per rollout worker
     max_restarts: NonNegativeInt = 3          # per actor: Ray restarts it, the driver restores its state
 
 
@@ -321,6 +334,13 @@ def load_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
         return Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(describe(e)) from None
+
+
+def run_config(run_dir: Path, flag: str, overrides: list[str] = ()) -> Config:
+    """The saved config of the run in `run_dir` plus `overrides` (`flag` names it in errors)."""
+    if not (Path(run_dir) / "config.yaml").is_file():
+        raise ConfigError(f"{flag} '{run_dir}' is not a run directory (no config.yaml there)")
+    return load_config(str(Path(run_dir) / "config.yaml"), overrides)
 
 
 def describe(error: ValidationError) -> str:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.recovery import NotSynced, survive
+from ray.exceptions import ObjectLostError
+
+from cluster.recovery import NotSynced, RolloutLost, keep_here, settle, survive
 from cluster.rollout import RolloutWorker
 from cluster.runtime import Runtime, get
 from cluster.weight_sync import WeightSyncActor
@@ -44,17 +46,22 @@ class DriverActor:
         self.credited = {**self.owns, **({"generator": config.experts.generator.owns}
                                          if config.experts.generator.owns else {})}
         restarts = {"max_restarts": config.cluster.max_restarts, "max_task_retries": 0}
-        self.experts = {e: self.runtime.spawn(ExpertActor, config, e, name=f"expert/{e}", **restarts)
-                        for e in self.expert_ids}
-        self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}", **restarts)
+        self.experts = {e: self.runtime.spawn(ExpertActor, config, e, name=f"expert/{e}", **restarts,
+                                              **config.expert(e).resources.options()) for e in self.expert_ids}
+        self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}", **restarts,
+                                           **config.cluster.rollout_resources.options())
                         for j in range(config.cluster.rollout_workers)]
         self.sync = self.runtime.spawn(WeightSyncActor, self.workers, name="weight_sync", **restarts)
-        self.start_step, self.faults = 0, {"expert_restarts": 0, "worker_restarts": 0, "sync_restarts": 0}
+        self.start_step = 0
+        self.faults = {"expert_restarts": 0, "worker_restarts": 0, "sync_restarts": 0, "rollouts_lost": 0}
         if resume:
             self.start_step, states = checkpoint.load(Path(resume), self.expert_ids)
             get([self.experts[e].restore.remote(*state) for e, state in states.items()])
-        self.snapshots = {e: self.experts[e].snapshot.options(num_returns=3).remote() for e in self.expert_ids}
+        self.nodes = get({e: h.node.remote() for e, h in self.experts.items()})
+        self.snapshots = {e: keep_here(self.experts[e].snapshot.options(num_returns=3).remote(), self.nodes[e])
+                          for e in self.expert_ids}
         self.versions = {e: info["version"] for e, info in get({e: s[2] for e, s in self.snapshots.items()}).items()}
+        self.published: dict[str, tuple] = {}  # expert -> (version, weights ref) every worker holds
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_before=self.start_step)
         self.publish(self.expert_ids)
 
@@ -72,6 +79,7 @@ class DriverActor:
             return 0.0
         out, faults = survive(attempt, alive, self.config.cluster.max_restarts)
         self.faults["sync_restarts"] += faults
+        self.published.update({e: (self.versions[e], self.snapshots[e][0]) for e in self.expert_ids})
         return out["sync_s"]
 
     def rollout(self, step: int, items: list[dict]) -> tuple[list, list]:
@@ -84,41 +92,46 @@ class DriverActor:
         for j, (worker, shard) in enumerate(zip(self.workers, shards)):
             def attempt(first, worker=worker, shard=shard, j=j):
                 if not first:
+                    settle(outs[j][1:])
                     outs[j] = worker.rollout.options(num_returns=3).remote(step, shard)
                 return get(outs[j][0])
 
             def reload(worker=worker):
-                get([worker.load_weights.remote(e, self.versions[e], self.snapshots[e][0]) for e in self.expert_ids])
+                get([worker.load_weights.remote(e, *self.published[e]) for e in self.expert_ids])
             meta, faults = survive(attempt, reload, self.config.cluster.max_restarts, lost=(NotSynced,))
             self.faults["worker_restarts"] += faults
             metas.append(meta)
         return metas, outs
 
-    def update(self, step: int, due: list[str], args: dict[str, tuple]) -> dict[str, dict]:
-        """The due experts' updates, concurrently, then each one's new snapshot. An expert that died
-        is restarted by Ray, restored from its previous snapshot and given the same update again:
-        applied exactly once. A restarted instance never passes for the old one: it refuses an
-        update from a version it does not hold, and its snapshot must show this step's version."""
+    def update(self, step: int, due: list[str], args: dict[str, tuple], stats: dict[str, dict]) -> None:
+        """The due experts' updates, concurrently, then each one's new snapshot; each expert's
+        stats go into `stats` as it finishes. An expert that died is restarted by Ray, restored
+        from its previous snapshot and given the same update again: applied exactly once. A
+        restarted instance never passes for the old one: it refuses an update from a version it
+        does not hold, and its snapshot must show this step's version. Raises RolloutLost if the
+        rollout outputs an update reads were lost with their node."""
         def submit(e):
             return (self.experts[e].update.remote(step, self.versions[e], *args[e]),
                     self.experts[e].snapshot.options(num_returns=3).remote())
         calls = {e: submit(e) for e in due}
-        stats = {}
         for e in due:
             def attempt(first, e=e):
                 if not first:
                     calls[e] = submit(e)
-                result, info = get(calls[e][0]), get(calls[e][1][2])
+                try:
+                    result, info = get(calls[e][0]), get(calls[e][1][2])
+                except ObjectLostError as lost:
+                    raise RolloutLost(f"step {step}: {e}'s update lost its inputs ({type(lost).__name__})") from lost
                 if info != {"version": self.versions[e] + 1, "last_step": step}:
                     raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
                 return result
 
             def restore(e=e, previous=self.snapshots[e]):
                 get(self.experts[e].restore.remote(*previous))
+                self.nodes[e] = get(self.experts[e].node.remote())
             stats[e], faults = survive(attempt, restore, self.config.cluster.max_restarts, lost=(StaleExpert,))
             self.faults["expert_restarts"] += faults
-            self.snapshots[e] = calls[e][1]
-        return stats
+            self.snapshots[e] = keep_here(calls[e][1], self.nodes[e])
 
     def make_items(self, step: int) -> list[dict]:
         """This step's samples: G per prompt, the last S of each group with the original prompt."""
@@ -132,18 +145,25 @@ class DriverActor:
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
         items = self.make_items(step)
-        metas, outs = self.rollout(step, items)  # metas are small: rewards, version vectors, refinements
-        self.check_versions(step, [v for m in metas for v in m["versions"]])
-        terms, counterfactual = gather(metas, "terms"), gather(metas, "counterfactual")
-        valid = gather(metas, "valid")["valid"]
         groups = np.array([it["group"] for it in items])
         refined = np.array([it["refine"] for it in items])
-        adv = advantages(self.config.algorithm.credit, terms, self.config.reward.weights, groups, refined,
-                         self.credited, self.config.algorithm.adv_clip, counterfactual, valid)
-        t_update = time.perf_counter()
-        due = [e for e in self.trained if step % self.config.expert(e).update_every == 0 and valid.any()]
-        stats = self.update(step, due, {e: (adv[e], *[o[2] for o in outs]) if e == "generator"
-                                        else (adv[e][refined], *[o[1] for o in outs]) for e in due})
+        stats: dict[str, dict] = {}
+        while True:  # a rollout is a pure function of step and weights: one lost with a node is made again
+            metas, outs = self.rollout(step, items)  # metas are small: rewards, version vectors, refinements
+            self.check_versions(step, [v for m in metas for v in m["versions"]])
+            terms, counterfactual = gather(metas, "terms"), gather(metas, "counterfactual")
+            valid = gather(metas, "valid")["valid"]
+            adv = advantages(self.config.algorithm.credit, terms, self.config.reward.weights, groups, refined,
+                             self.credited, self.config.algorithm.adv_clip, counterfactual, valid)
+            t_update = time.perf_counter()
+            due = [e for e in self.trained if step % self.config.expert(e).update_every == 0 and valid.any()]
+            try:
+                self.update(step, [e for e in due if e not in stats],
+                            {e: (adv[e], *[o[2] for o in outs]) if e == "generator"
+                             else (adv[e][refined], *[o[1] for o in outs]) for e in due}, stats)
+                break
+            except RolloutLost:
+                self.faults["rollouts_lost"] += 1
         self.versions.update({e: s["version"] for e, s in stats.items()})
         t_sync = time.perf_counter()
         sync_s = self.publish(due)

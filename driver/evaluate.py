@@ -14,9 +14,8 @@ import torch
 
 from cluster.rollout import RolloutWorker
 from driver import checkpoint
-from driver.config import ConfigError, load_config
+from driver.config import ConfigError, run_config
 from driver.images import grid, write_png
-from experts import state_file
 from experts.seeding import derive_seed
 from tasks.shapes import CATEGORIES, eval_set, paraphrase, prompt_set
 
@@ -50,13 +49,8 @@ def evaluate(config, weights: dict[str, dict] | None = None, samples_png: Path |
 
 
 def evaluate_run(run_dir: Path) -> dict:
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"--run '{run_dir}' is not a run directory (no config.yaml)")
-    config = load_config(str(run_dir / "config.yaml"))
-    ckpt = checkpoint.latest(run_dir)
-    checkpoint.manifest(ckpt)  # every file matches its hash
-    weights = {e: {k: v.numpy() for k, v in state_file.read_weights(ckpt / f"{e}.safetensors").items()}
-               for e in config.experts.ids()}
+    config = run_config(run_dir, "--run")
+    ckpt, weights = checkpoint.latest_weights(run_dir, config.experts.ids())
     report = {"checkpoint": str(ckpt), **evaluate(config, weights, run_dir / "eval_samples.png")}
     (run_dir / "eval.json").write_text(json.dumps(report, indent=1))
     return report

@@ -11,6 +11,7 @@ import copy
 import numpy as np
 import torch
 
+from cluster.recovery import this_node
 from experts.build import build_model
 from experts.text_encoder import pad_features
 from experts.updates import generator_loss, refiner_loss
@@ -52,6 +53,10 @@ class ExpertActor:
 
     def weights(self) -> dict[str, np.ndarray]:
         return {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+
+    def node(self) -> str | None:
+        """The Ray node this expert runs on now (it may move when Ray restarts it)."""
+        return this_node()
 
     def info(self) -> dict:
         return {"version": self.version, "last_step": self.last_step}

@@ -1,0 +1,44 @@
+"""`jointrl sample`: one prompt, refined by the trained refiners and drawn by the trained generator.
+
+The prompt is checked against the task's vocabulary first: an empty, over-long or unknown-word
+prompt is an error that names it, before anything is loaded.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from cluster.rollout import RolloutWorker
+from driver import checkpoint
+from driver.config import ConfigError, run_config
+from driver.images import grid, write_png
+from tasks.shapes import Prompt, encode_words
+
+
+def user_prompt(text: str) -> Prompt:
+    """A user's prompt as the models read it (it has no clauses: nothing scores it)."""
+    words = text.lower().split()
+    try:
+        ids = encode_words(words)
+    except ValueError as e:
+        raise ConfigError(f"--prompt {text!r}: {e}. Nothing was drawn.") from None
+    return Prompt(" ".join(words), "user", (), None, tuple(ids))
+
+
+def sample_run(run_dir: Path, text: str, n: int = 4, seed: int = 0, out: Path | None = None) -> dict:
+    """`n` images of `text` from the latest checkpoint of `run_dir`, written as one PNG grid;
+    returns {"png", "checkpoint", "refinements" (one dict per image, refiner id -> words)}."""
+    prompt = user_prompt(text)
+    config = run_config(run_dir, "--run")
+    ckpt, weights = checkpoint.latest_weights(run_dir, config.experts.ids())
+    torch.set_num_threads(1)
+    worker = RolloutWorker(config, 0)
+    for eid, state in weights.items():
+        worker.load_weights(eid, checkpoint.step_of(ckpt), state)
+    drawn = worker.draw([prompt] * n, refine=not config.experts.generator_only, tag=f"sample/{seed}")
+    out = out or Path(run_dir) / "samples" / f"{re.sub(r'[^a-z0-9]+', '-', prompt.text)}-seed{seed}.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_png(out, grid(drawn["images"], cols=min(n, 8)))
+    return {"png": out, "checkpoint": ckpt, "refinements": drawn["refinements"]}
