@@ -1,10 +1,12 @@
 """Chaos: a run of K steps on local Ray with random faults of every kind at random moments.
 
 Faults: an expert, a rollout worker or the weight-sync actor killed (`ray.kill`, restart allowed),
-and a reward that raises, returns NaN or hangs past `reward.timeout_s` on some samples. It prints
-the faults injected and survived, steps lost, duplicate updates and version regressions (each must
-be 0), and the slowdown against a fault-free run of the same config, measured in the same process.
-Usage: python bench/chaos.py [--steps 40] [--kill-every 1.0] [--seed 0]
+a reward that raises, returns NaN or hangs past `reward.timeout_s` on some samples, and with
+`--node-every` the loss of the node hosting a random expert or rollout worker (three simulated
+nodes, `ray.cluster_utils.Cluster`; a fresh node joins after each loss, as an autoscaler's would).
+It prints the faults injected and survived, steps lost, duplicate updates and version regressions
+(each must be 0), and the slowdown against a fault-free run of the same config on the same cluster.
+Usage: python bench/chaos.py [--steps 40] [--kill-every 2.0] [--node-every S] [--seed 0]
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,10 +29,13 @@ import ray  # noqa: E402
 
 from cluster.runtime import get  # noqa: E402
 from driver.config import load_config  # noqa: E402
-from driver.launch import start_driver  # noqa: E402
+from driver.launch import start_driver, stop_driver  # noqa: E402
 from tasks.reward import shapes_reward  # noqa: E402
 
 FAULT_LOG = "JOINTRL_CHAOS_LOG"
+FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                      "health_check_failure_threshold": 3, "health_check_timeout_ms": 500}
+POOL = {"pool": 10}  # what the simulated worker nodes offer; every actor but the driver needs a share
 
 
 def flaky_reward(images, prompts, refinements, owners):
@@ -53,8 +57,12 @@ def flaky_reward(images, prompts, refinements, owners):
     return terms
 
 
-def config(steps: int, run_name: str, chaos: bool):
+def config(steps: int, run_name: str, chaos: bool, nodes: bool):
     sets = [f"trainer.steps={steps}", "cluster.rollout_workers=2", "cluster.max_restarts=1000"]
+    if nodes:
+        share = "resources.custom={pool: 0.01}"
+        sets += [f"cluster.rollout_{share}"] + [f"experts.{e}.{share}" for e in
+                                               ("refiner_0", "refiner_1", "refiner_2", "generator")]
     if chaos:
         sets += ["reward.fn=chaos:flaky_reward", "reward.timeout_s=0.5"]
     cfg = load_config("shapes-tiny", sets)
@@ -62,37 +70,61 @@ def config(steps: int, run_name: str, chaos: bool):
     return cfg
 
 
-def kill_loop(run_name: str, targets: list[str], every: float, rng: random.Random, stop: threading.Event,
-              log: list) -> None:
-    """Kill a random actor of the run at exponentially spaced moments until `stop`."""
-    while not stop.wait(rng.expovariate(1 / every)):
-        target = rng.choice(targets)
-        try:
-            ray.kill(ray.get_actor(f"{run_name}/{target}", namespace="jointrl"), no_restart=False)
-            log.append((time.perf_counter(), target))
-        except ValueError:  # not registered right now (restarting): nothing was killed
-            pass
+def kill(run_name: str, target: str) -> bool:
+    """Kill one actor of the run, restart allowed; False if it is not registered right now."""
+    try:
+        ray.kill(ray.get_actor(f"{run_name}/{target}", namespace="jointrl"), no_restart=False)
+        return True
+    except ValueError:
+        return False
 
 
-def train(cfg, run_dir: Path, kill_every: float | None, seed: int) -> tuple[list[dict], list, float]:
-    targets = [f"expert/{e}" for e in cfg.experts.ids()] + ["rollout/0", "rollout/1", "weight_sync"]
+def lose_node(run_name: str, target: str, cluster, pool_nodes: list) -> bool:
+    """Remove the node hosting `target` (an expert or rollout worker), then add a fresh one."""
+    try:
+        node_id = ray.get(ray.get_actor(f"{run_name}/{target}", namespace="jointrl").node.remote(), timeout=5)
+    except (ValueError, ray.exceptions.RayError):  # restarting right now: nothing was removed
+        return False
+    node = next((n for n in pool_nodes if n.node_id == node_id), None)
+    if node is None:
+        return False
+    cluster.remove_node(node, allow_graceful=False)
+    pool_nodes.remove(node)
+    pool_nodes.append(cluster.add_node(num_cpus=1, resources=POOL))
+    return True
+
+
+def train(cfg, run_dir: Path, kill_every: float | None, seed: int, nodes=None,
+          node_every: float | None = None) -> tuple[list[dict], list, float]:
+    """The run, with an actor killed every ~`kill_every` s and, given `nodes` (the cluster and its
+    pool nodes), a node lost every ~`node_every` s, at exponentially spaced moments from the start
+    (the driver's own start included). Faults are injected from this thread: Ray starts nodes only
+    from the main thread. Returns (metric rows, (time, fault) log, seconds)."""
+    hosted = [f"expert/{e}" for e in cfg.experts.ids()] + ["rollout/0", "rollout/1"]
+    rng, name = random.Random(seed), cfg.trainer.run_name
     start = time.perf_counter()
     driver = start_driver(cfg, run_dir)
-    kills, stop = [], threading.Event()
-    killer = threading.Thread(target=kill_loop, args=(cfg.trainer.run_name, targets, kill_every, random.Random(seed),
-                                                      stop, kills)) if kill_every else None
-    if killer:
-        killer.start()
-    try:
-        get(driver.run.remote())
-    finally:
-        stop.set()
-        if killer:
-            killer.join()
+    done, log = driver.run.remote(), []
+    faults = {"kill": kill_every, "node": node_every if nodes else None}
+    due = {kind: start + rng.expovariate(1 / every) for kind, every in faults.items() if every}
+    while not ray.wait([done], timeout=max(0.0, min(due.values(), default=start + 1e9) - time.perf_counter()))[0]:
+        kind = min(due, key=due.get)
+        if time.perf_counter() < due[kind]:
+            continue
+        if kind == "kill":
+            target = rng.choice(hosted + ["weight_sync"])
+            if kill(name, target):
+                log.append((time.perf_counter(), target))
+        else:
+            target = rng.choice(hosted)
+            if lose_node(name, target, *nodes):
+                log.append((time.perf_counter(), f"node/{target}"))
+        due[kind] = time.perf_counter() + rng.expovariate(1 / faults[kind])
+    get(done)
     elapsed = time.perf_counter() - start
-    ray.kill(driver)
+    stop_driver(driver)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows, kills, elapsed
+    return rows, log, elapsed
 
 
 def audit(rows: list[dict], expert_ids: list[str], steps: int) -> dict:
@@ -111,36 +143,54 @@ def audit(rows: list[dict], expert_ids: list[str], steps: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--kill-every", type=float, default=1.0, help="mean seconds between actor kills")
+    p.add_argument("--kill-every", type=float, default=2.0, help="mean seconds between actor kills")
+    p.add_argument("--node-every", type=float, default=None,
+                   help="mean seconds between node losses (runs on three simulated nodes; default: no node loss)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="jointrl-chaos-"))
     os.environ[FAULT_LOG] = str(work / "reward_faults.log")
     Path(os.environ[FAULT_LOG]).touch()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT / 'bench'}:{ROOT}", FAULT_LOG: os.environ[FAULT_LOG]}})
+    runtime_env = {"env_vars": {"PYTHONPATH": f"{ROOT / 'bench'}:{ROOT}", FAULT_LOG: os.environ[FAULT_LOG]}}
+    nodes, cluster = None, None
+    if args.node_every:
+        from ray.cluster_utils import Cluster
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "include_dashboard": False, "_system_config": FAST_HEALTH_CHECKS})
+        nodes = (cluster, [cluster.add_node(num_cpus=1, resources=POOL) for _ in range(2)])
+        ray.init(address=cluster.address, namespace="jointrl", runtime_env=runtime_env)
+    else:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 runtime_env=runtime_env)
     try:
         print(f"chaos: fault-free run of {args.steps} steps", flush=True)
-        clean_rows, _, clean_s = train(config(args.steps, "chaos-clean", False), work / "clean", None, args.seed)
-        print(f"chaos: the same run with random faults (a kill every ~{args.kill_every:.1f} s, flaky reward)", flush=True)
-        cfg = config(args.steps, "chaos", True)
-        rows, kills, chaos_s = train(cfg, work / "chaos", args.kill_every, args.seed)
+        clean_rows, _, clean_s = train(config(args.steps, "chaos-clean", False, bool(nodes)), work / "clean", None,
+                                       args.seed)
+        print(f"chaos: the same run with random faults (a kill every ~{args.kill_every:.1f} s, flaky reward"
+              + (f", a node lost every ~{args.node_every:.1f} s)" if nodes else ")"), flush=True)
+        cfg = config(args.steps, "chaos", True, bool(nodes))
+        rows, kills, chaos_s = train(cfg, work / "chaos", args.kill_every, args.seed, nodes, args.node_every)
     finally:
         ray.shutdown()
+        if cluster:
+            cluster.shutdown()
     last = rows[-1]
     reward_lines = Path(os.environ[FAULT_LOG]).read_text().splitlines()
     injected_reward = len({line.split(" ", 1)[1] for line in reward_lines})  # a retried sample counts once
     restarts = sum(last[f"faults/{k}"] for k in ("expert_restarts", "worker_restarts", "sync_restarts"))
+    rollouts_lost = last["faults/rollouts_lost"]
     dropped = sum(r["faults/dropped_samples"] for r in rows)
     reward_faults = sum(r["faults/reward_error"] + r["faults/reward_timeout"] + r["faults/reward_nan"] for r in rows)
     checks = audit(rows, cfg.experts.ids(), args.steps)
     by_kind = {}
     for _, target in kills:
         by_kind[target.split("/")[0]] = by_kind.get(target.split("/")[0], 0) + 1
-    print(f"\nfaults injected:   {len(kills) + injected_reward}  (actor kills {len(kills)}: "
-          f"{', '.join(f'{k} {n}' for k, n in sorted(by_kind.items()))}; reward faults {injected_reward})")
+    lost_nodes = by_kind.pop("node", 0)
+    print(f"\nfaults injected:   {len(kills) + injected_reward}  (actor kills {len(kills) - lost_nodes}: "
+          f"{', '.join(f'{k} {n}' for k, n in sorted(by_kind.items()))}; node losses {lost_nodes}; "
+          f"reward faults {injected_reward})")
     print(f"faults survived:   {len(kills) + injected_reward if all(v == 0 for v in checks.values()) else 'NOT ALL'}"
-          f"  (restarts noticed and restored: {restarts}; reward faults dropped and counted: {reward_faults}, "
+          f"  (restarts noticed and restored: {restarts}; rollouts made again: {rollouts_lost}; reward faults dropped and counted: {reward_faults}, "
           f"samples dropped: {dropped})")
     for name, value in checks.items():
         print(f"{name + ':':18} {value}  (must be 0)")

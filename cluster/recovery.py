@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ObjectLostError, RayActorError
 
 
 class NotSynced(RuntimeError):
@@ -20,6 +20,10 @@ class NotSynced(RuntimeError):
 
 class RolloutLost(RuntimeError):
     """A step's rollout outputs were lost with the node that held them; the rollout is made again."""
+
+
+class SnapshotLost(RuntimeError):
+    """An expert's new snapshot was lost with its node before the driver kept a copy of it."""
 
 
 def this_node() -> str | None:
@@ -33,7 +37,10 @@ def keep_here(refs: tuple, made_on: str | None) -> tuple:
     own node, which a run cannot outlive anyway. Objects made here are kept as they are."""
     if made_on == this_node():
         return refs
-    return tuple(ray.put(value) for value in ray.get(list(refs)))
+    try:
+        return tuple(ray.put(value) for value in ray.get(list(refs)))
+    except ObjectLostError as lost:
+        raise SnapshotLost(f"a snapshot made on node {made_on} was lost with it") from lost
 
 
 def settle(refs) -> None:

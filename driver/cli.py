@@ -110,7 +110,7 @@ def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
     import ray
 
     from cluster.connect import connect
-    from driver.launch import start_driver
+    from driver.launch import start_driver, stop_driver
     from driver.checkpoint import step_of
     progress = Progress(config.trainer.steps, step_of(resume) if resume else 0)
     started_here = config.cluster.mode == "ray" and not ray.is_initialized()
@@ -119,16 +119,17 @@ def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
             return start_driver(config, run_dir, resume).instance.run(on_row=progress)
         connect(config.cluster.address)
         driver = start_driver(config, run_dir, resume)
-        done, seen = driver.run.remote(), 0
-        while True:
-            finished = ray.wait([done], timeout=0.5)[0]
-            for row in ray.get(driver.poll.remote(seen)):
-                progress(row)
-                seen += 1
-            if finished:
-                summary = ray.get(done)
-                ray.kill(driver)
-                return summary
+        try:
+            done, seen = driver.run.remote(), 0
+            while True:
+                finished = ray.wait([done], timeout=0.5)[0]
+                for row in ray.get(driver.poll.remote(seen)):
+                    progress(row)
+                    seen += 1
+                if finished:
+                    return ray.get(done)
+        finally:
+            stop_driver(driver)
     finally:
         progress.close()
         if started_here:

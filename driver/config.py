@@ -186,6 +186,9 @@ class ClusterConfig(Strict):
     address: str | None = None                # None: RAY_ADDRESS if set, else a new local Ray
     rollout_workers: PositiveInt = 1
     rollout_resources: Resources = Resources()  # per rollout worker
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"  # of the reserved bundles
+    colocate: bool = True                     # false: experts and rollout workers in separate placement groups
+    placement_timeout_s: PositiveFloat = 120.0  # then the run stops, naming the bundles it could not place
     max_restarts: NonNegativeInt = 3          # per actor: Ray restarts it, the driver restores its state
 
 
@@ -281,6 +284,11 @@ PRESETS: dict[str, dict] = {
         "algorithm": {"group_size": 4, "num_skip_refinement": 1},
         "trainer": {"steps": 3, "prompts_per_step": 2},
         "experts": {"generator": {"sample_steps": 4}},
+    },
+    "shapes-cluster": {  # deploy/: every expert and rollout worker reserves a CPU, spread over the nodes
+        "experts": {**{f"refiner_{i}": {"resources": {"num_cpus": 1}} for i in range(3)},
+                    "generator": {"resources": {"num_cpus": 1}}},
+        "cluster": {"rollout_workers": 2, "rollout_resources": {"num_cpus": 1}, "placement": "spread"},
     },
 }
 

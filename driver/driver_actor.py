@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-
+import ray
 from ray.exceptions import ObjectLostError
 
-from cluster.recovery import NotSynced, RolloutLost, keep_here, settle, survive
+from cluster.placement import Placement
+from cluster.recovery import NotSynced, RolloutLost, SnapshotLost, keep_here, settle, survive
 from cluster.rollout import RolloutWorker
 from cluster.runtime import Runtime, get
 from cluster.weight_sync import WeightSyncActor
@@ -33,9 +34,10 @@ def gather(metas: list[dict], key: str) -> dict[str, np.ndarray]:
 
 
 class DriverActor:
-    def __init__(self, config, run_dir: str, resume: str | None = None):
+    def __init__(self, config, run_dir: str, resume: str | None = None, placement: Placement | None = None):
         """`resume`: a checkpoint folder; the run continues from its step with every expert's
-        weights, optimizer state and version restored, exactly as if it had never stopped."""
+        weights, optimizer state and version restored, exactly as if it had never stopped.
+        `placement`: the bundles reserved for this run's actors (ray mode)."""
         self.config, self.run_dir = config, Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.prompts = prompt_set(config.trainer.n_train_prompts, derive_seed(config.trainer.seed, "prompts"))
@@ -45,25 +47,48 @@ class DriverActor:
         self.owns = {e: r.owns for e, r in config.experts.active_refiners().items()}
         self.credited = {**self.owns, **({"generator": config.experts.generator.owns}
                                          if config.experts.generator.owns else {})}
-        restarts = {"max_restarts": config.cluster.max_restarts, "max_task_retries": 0}
-        self.experts = {e: self.runtime.spawn(ExpertActor, config, e, name=f"expert/{e}", **restarts,
-                                              **config.expert(e).resources.options()) for e in self.expert_ids}
-        self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}", **restarts,
-                                           **config.cluster.rollout_resources.options())
+        self.placement = placement
+        self.experts = {e: self.runtime.spawn(ExpertActor, config, e, name=f"expert/{e}",
+                                              **self.options(f"expert/{e}", config.expert(e).resources))
+                        for e in self.expert_ids}
+        self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}",
+                                           **self.options(f"rollout/{j}", config.cluster.rollout_resources))
                         for j in range(config.cluster.rollout_workers)]
-        self.sync = self.runtime.spawn(WeightSyncActor, self.workers, name="weight_sync", **restarts)
+        self.sync = self.runtime.spawn(WeightSyncActor, self.workers, name="weight_sync", **self.options("weight_sync"))
         self.start_step = 0
         self.faults = {"expert_restarts": 0, "worker_restarts": 0, "sync_restarts": 0, "rollouts_lost": 0}
+        states = {}
         if resume:
             self.start_step, states = checkpoint.load(Path(resume), self.expert_ids)
-            get([self.experts[e].restore.remote(*state) for e, state in states.items()])
-        self.nodes = get({e: h.node.remote() for e, h in self.experts.items()})
-        self.snapshots = {e: keep_here(self.experts[e].snapshot.options(num_returns=3).remote(), self.nodes[e])
-                          for e in self.expert_ids}
+        self.nodes: dict[str, str | None] = {}
+        self.snapshots = {e: self.first_snapshot(e, states.get(e)) for e in self.expert_ids}
         self.versions = {e: info["version"] for e, info in get({e: s[2] for e, s in self.snapshots.items()}).items()}
         self.published: dict[str, tuple] = {}  # expert -> (version, weights ref) every worker holds
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_before=self.start_step)
         self.publish(self.expert_ids)
+
+    def options(self, name: str, resources=None) -> dict:
+        """Ray options of the actor `name`: restarts, its resources and, if it reserved any, its bundle."""
+        return {"max_restarts": self.config.cluster.max_restarts, "max_task_retries": 0,
+                **(resources.options() if resources else {}),
+                **(self.placement.options.get(name, {}) if self.placement else {})}
+
+    def first_snapshot(self, e: str, state: tuple | None) -> tuple:
+        """Expert `e`'s starting snapshot, once it holds `state` (a checkpoint's) if given. An expert
+        killed meanwhile restarts as its config builds it, and is restored again."""
+        expert = self.experts[e]
+
+        def attempt(first):
+            if state:
+                get(expert.restore.remote(*state))
+            self.nodes[e] = get(expert.node.remote())
+            snapshot = keep_here(expert.snapshot.options(num_returns=3).remote(), self.nodes[e])
+            get(snapshot[2])
+            return snapshot
+        snapshot, faults = survive(attempt, lambda: get(expert.info.remote()), self.config.cluster.max_restarts,
+                                   lost=(SnapshotLost,))
+        self.faults["expert_restarts"] += faults
+        return snapshot
 
     def publish(self, expert_ids: list[str]) -> float:
         """Deliver the latest snapshot weights of `expert_ids` to every rollout worker; returns
@@ -124,14 +149,14 @@ class DriverActor:
                     raise RolloutLost(f"step {step}: {e}'s update lost its inputs ({type(lost).__name__})") from lost
                 if info != {"version": self.versions[e] + 1, "last_step": step}:
                     raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
-                return result
+                return result, keep_here(calls[e][1], self.nodes[e])
 
             def restore(e=e, previous=self.snapshots[e]):
                 get(self.experts[e].restore.remote(*previous))
                 self.nodes[e] = get(self.experts[e].node.remote())
-            stats[e], faults = survive(attempt, restore, self.config.cluster.max_restarts, lost=(StaleExpert,))
+            (stats[e], self.snapshots[e]), faults = survive(attempt, restore, self.config.cluster.max_restarts,
+                                                            lost=(StaleExpert, SnapshotLost))
             self.faults["expert_restarts"] += faults
-            self.snapshots[e] = keep_here(calls[e][1], self.nodes[e])
 
     def make_items(self, step: int) -> list[dict]:
         """This step's samples: G per prompt, the last S of each group with the original prompt."""
@@ -240,6 +265,15 @@ class DriverActor:
                 "snapshots": get({e: s[2] for e, s in self.snapshots.items()}),
                 "workers": get([w.version_vector.remote() for w in self.workers]),
                 "registry": get(self.sync.registrations.remote()), "update_targets": list(self.trained)}
+
+    def shutdown(self) -> None:
+        """Stop this run's actors and give back its placement groups (they would outlive the driver)."""
+        if self.config.cluster.mode == "inline":
+            return
+        for handle in [*self.experts.values(), *self.workers, self.sync]:
+            ray.kill(handle, no_restart=True)
+        if self.placement:
+            self.placement.release()
 
     def expert_weights(self, expert_id: str) -> dict:
         """The weights of `expert_id`'s latest snapshot (what was last published)."""

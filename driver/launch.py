@@ -1,13 +1,15 @@
 """Starting the driver: in-process for `inline`, else as the named Ray actor `<run_name>/driver`.
 
 The driver actor is pinned to the node of the process that starts it, so the run directory it
-writes is the one the user named.
+writes is the one the user named. The run's placement groups are reserved here, before anything
+starts, so a cluster that cannot hold the run says so to the caller.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.runtime import InlineHandle, Runtime
+from cluster.placement import Placement
+from cluster.runtime import InlineHandle, Runtime, get
 from driver.driver_actor import DriverActor
 
 
@@ -22,7 +24,19 @@ def start_driver(config, run_dir: Path, resume: Path | None = None):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    placement = Placement(config, config.trainer.run_name)  # raises PlacementError, naming what is missing
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return Runtime("ray", config.trainer.run_name).spawn(
-        DriverActor, config, str(Path(run_dir).resolve()), resume, name="driver", max_concurrency=2,
+        DriverActor, config, str(Path(run_dir).resolve()), resume, placement, name="driver", max_concurrency=2,
         scheduling_strategy=here)
+
+
+def stop_driver(driver) -> None:
+    """End a finished (or failed) run: its actors stop and its placement groups are given back."""
+    if isinstance(driver, InlineHandle):
+        return
+    import ray
+    try:
+        get(driver.shutdown.remote())
+    finally:
+        ray.kill(driver)

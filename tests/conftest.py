@@ -9,7 +9,7 @@ import ray
 
 from cluster.runtime import get
 from driver.config import load_config
-from driver.launch import start_driver
+from driver.launch import start_driver, stop_driver
 
 _names = itertools.count()
 
@@ -34,8 +34,7 @@ def run_training(config, run_dir, inspect_weights: tuple[str, ...] = ()):
     get(driver.run.remote())
     info = get(driver.inspect.remote())
     weights = {e: get(driver.expert_weights.remote(e)) for e in inspect_weights}
-    if config.cluster.mode == "ray":
-        ray.kill(driver)
+    stop_driver(driver)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return rows, info, weights
 

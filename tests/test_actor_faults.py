@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from cluster.runtime import get
-from driver.launch import start_driver
+from driver.launch import start_driver, stop_driver
 from tests.conftest import make_config, run_training
 
 STEPS = 8
@@ -48,7 +48,7 @@ def test_killed_actor_is_restored_and_the_run_is_unchanged(kind, reference, tmp_
         time.sleep(0.3)
     get(done)
     info = get(driver.inspect.remote())
-    ray.kill(driver)
+    stop_driver(driver)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))                  # nothing lost
     noticed = sum(rows[-1][f"faults/{c}"] for c in ("expert_restarts", "worker_restarts", "sync_restarts"))

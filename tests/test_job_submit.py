@@ -1,0 +1,101 @@
+"""`ray job submit` against a head started with `ray start --head`: the repo ships as the job's
+working directory (nothing installed on the cluster beyond its Python environment), the job trains
+and its metrics are where the entrypoint said. The head is stopped
+at the end (its whole process group), leaving the tests' own Ray alone. The job API listens on
+127.0.0.1 only."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB_STEPS = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listens_beyond_loopback(port: int) -> bool:
+    """True if something accepts connections on `port` at an address other than 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outward interface
+        outward = probe.getsockname()[0]
+    if outward.startswith("127."):
+        return False
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((outward, port)) == 0
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A head started as users start one, with the venv's Python first on PATH (as in an image)."""
+    gcs, dashboard = free_port(), free_port()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    log = tmp_path_factory.mktemp("head") / "ray-start.log"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={gcs}",
+         "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+         "--include-dashboard=true", "--num-cpus=2", "--disable-usage-stats"],
+        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{dashboard}"
+    from ray.job_submission import JobSubmissionClient
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    client, deadline = None, time.monotonic() + 120
+    while client is None:
+        try:  # the head writes the token file when it first starts
+            client = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token_file.read_text().strip()}"})
+        except Exception:  # the dashboard is still starting
+            if time.monotonic() > deadline or proc.poll() is not None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail(f"the head did not come up: {log.read_text()[-3000:]}")
+            time.sleep(1)
+    yield {"client": client, "url": url, "dashboard_port": dashboard, "gcs_port": gcs}
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_submitted_job_trains_and_writes_its_metrics(head, tmp_path):
+    from ray.job_submission import JobStatus
+    run_dir = tmp_path / "job-run"
+    client = head["client"]
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            job = client.submit_job(
+                entrypoint=f"python -m driver train --config shapes-tiny --set trainer.steps={JOB_STEPS} "
+                           f"--run-dir {run_dir}",
+                runtime_env={"working_dir": str(ROOT), "excludes": [".git", ".venv", "runs", "bench/results"]},
+                entrypoint_num_cpus=0)
+            break
+        except RuntimeError as e:  # "No available agent to submit job": the head's agent is still starting
+            assert "try again" in str(e) and time.monotonic() < deadline, e
+            time.sleep(1)
+    while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        assert time.monotonic() < deadline, client.get_job_logs(job)[-3000:]
+        time.sleep(1)
+    logs = client.get_job_logs(job)
+    assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    assert "jointrl: done, 2 steps" in logs
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(JOB_STEPS))
+    assert all(r["version/generator"] == r["step"] + 1 for r in rows)
+    assert (run_dir / "checkpoints" / f"step_{JOB_STEPS:06d}" / "manifest.json").is_file()
+
+
+def test_the_dashboard_and_job_api_listen_on_loopback_only(head):
+    """Ray 2.60 binds its GCS and raylet ports on every interface whatever --node-ip-address says
+    (token authentication guards them); the dashboard and job API follow --dashboard-host."""
+    assert not listens_beyond_loopback(head["dashboard_port"])
