@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_job_submit import free_port, own_ports
+
 WORKER_CPUS, MAX_WORKERS = 2, 3
 SMALL = ["trainer.steps=2", "trainer.prompts_per_step=2", "algorithm.group_size=4", "algorithm.num_skip_refinement=1",
          "experts.generator.sample_steps=4"]
@@ -36,12 +38,6 @@ def fake_provider_config(gcs_address: str) -> dict:
         "rsync_exclude": [], "rsync_filter": [], "initialization_commands": [], "setup_commands": [],
         "head_setup_commands": [], "worker_setup_commands": [], "head_start_ray_commands": [],
         "worker_start_ray_commands": []}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive_nodes(address: str, env: dict) -> list[dict]:
@@ -64,7 +60,7 @@ def autoscaling_head(tmp_path):
     log = tmp_path / "head.log"
     proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
                              f"--autoscaling-config={config}", "--num-cpus=0", "--node-ip-address=127.0.0.1",
-                             "--include-dashboard=false", "--disable-usage-stats"],
+                             "--include-dashboard=false", "--disable-usage-stats", *own_ports()],
                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 60
     while socket.socket().connect_ex(("127.0.0.1", port)) != 0:

@@ -24,6 +24,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def own_ports() -> list[str]:
+    """Free ports for every service a head starts whose default port would collide with another
+    Ray on the machine (the tests' own runs beside it)."""
+    flags = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+             "metrics-export-port", "ray-client-server-port")
+    return [f"--{flag}={free_port()}" for flag in flags]
+
+
 def listens_beyond_loopback(port: int) -> bool:
     """True if something accepts connections on `port` at an address other than 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -45,7 +53,7 @@ def head(tmp_path_factory):
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={gcs}",
          "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         "--include-dashboard=true", "--num-cpus=2", "--disable-usage-stats"],
+         "--include-dashboard=true", "--num-cpus=2", "--disable-usage-stats", *own_ports()],
         env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dashboard}"
     from ray.job_submission import JobSubmissionClient
