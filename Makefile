@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: run test install clean bench-learning
+.PHONY: run test install clean bench-learning bench-sync
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ test: $(BIN)/.installed
 
 bench-learning: $(BIN)/.installed
 	$(BIN)/python bench/learning.py
+
+bench-sync: $(BIN)/.installed
+	$(BIN)/python bench/sync.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

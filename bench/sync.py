@@ -143,7 +143,7 @@ def main() -> int:
         args.sizes, args.workers, args.repeats = [10], [1, 2], 2
     torch.set_num_threads(1)
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=int(max(args.sizes) * MB * (max(args.workers) + 4)))
+             object_store_memory=max(int(max(args.sizes) * MB * (max(args.workers) + 4)), 512 * MB))
     try:
         bandwidth = memcpy_bandwidth(int(max(args.sizes) * MB))
         rows = [sync_row(s, w, args.repeats, bandwidth) for s in args.sizes for w in args.workers]

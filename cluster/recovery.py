@@ -31,6 +31,11 @@ def this_node() -> str | None:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
+def in_ray_actor() -> bool:
+    """True inside a Ray actor, where return values are copied into the object store on return."""
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 def keep_here(refs: tuple, made_on: str | None) -> tuple:
     """`refs` with their data on this node. An object lives in the store of the node that made it
     and is lost with it; the driver keeps what it restores experts from (their snapshots) on its

@@ -7,10 +7,13 @@ Weights change only between calls, so every sample is made by one version vector
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
 from cluster.recovery import NotSynced, this_node
+from cluster.weight_sync import CorruptWeights, fingerprint
 from experts.build import build_model
 from experts.flow_sde import sample
 from experts.seeding import generator
@@ -37,8 +40,19 @@ class RolloutWorker:
                                             config.reward.timeout_s)
         self.faults: dict[str, int] = {}
 
-    def load_weights(self, expert_id: str, version: int, weights: dict) -> int:
-        self.models[expert_id].load_state_dict({k: torch.tensor(v) for k, v in weights.items()})
+    def load_weights(self, expert_id: str, version: int, weights: dict, checksum: int | None = None) -> int:
+        """Serve `version` of `expert_id` from now on; `weights` must match `checksum` if given.
+        With `cluster.share_weights` the model reads them where they lie (read-only views of the
+        object store, shared by every worker on the node); else it copies them."""
+        if checksum is not None and fingerprint(weights) != checksum:
+            raise CorruptWeights(f"rollout/{self.index}: {expert_id} v{version} does not match its fingerprint")
+        if self.config.cluster.share_weights:
+            with warnings.catch_warnings():  # the views are read-only, and inference never writes them
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                state = {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
+            self.models[expert_id].load_state_dict(state, assign=True)
+        else:
+            self.models[expert_id].load_state_dict({k: torch.tensor(v) for k, v in weights.items()})
         self.versions[expert_id] = version
         return version
 

@@ -186,6 +186,7 @@ class ClusterConfig(Strict):
     address: str | None = None                # None: RAY_ADDRESS if set, else a new local Ray
     rollout_workers: PositiveInt = 1
     rollout_resources: Resources = Resources()  # per rollout worker
+    share_weights: bool = True                # CPU workers read weights from the object store, no private copy
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"  # of the reserved bundles
     colocate: bool = True                     # false: experts and rollout workers in separate placement groups
     placement_timeout_s: PositiveFloat = 120.0  # then the run stops, naming the bundles it could not place

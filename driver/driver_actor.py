@@ -63,7 +63,7 @@ class DriverActor:
         self.nodes: dict[str, str | None] = {}
         self.snapshots = {e: self.first_snapshot(e, states.get(e)) for e in self.expert_ids}
         self.versions = {e: info["version"] for e, info in get({e: s[2] for e, s in self.snapshots.items()}).items()}
-        self.published: dict[str, tuple] = {}  # expert -> (version, weights ref) every worker holds
+        self.published: dict[str, tuple] = {}  # expert -> (version, weights ref, fingerprint) every worker holds
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_before=self.start_step)
         self.publish(self.expert_ids)
 
@@ -96,7 +96,8 @@ class DriverActor:
         rebuilds the restarted sync actor's registry and a restarted worker's weights."""
         def attempt(first):
             ids = expert_ids if first else self.expert_ids
-            return get(self.sync.publish.remote([(e, self.versions[e], [self.snapshots[e][0]]) for e in ids]))
+            sums = {e: info["checksum"] for e, info in get({e: self.snapshots[e][2] for e in ids}).items()}
+            return get(self.sync.publish.remote([(e, self.versions[e], sums[e], [self.snapshots[e][0]]) for e in ids]))
 
         def alive():  # the sync actor and every worker answer once Ray has restarted them
             get([self.sync.registrations.remote(), *[w.version_vector.remote() for w in self.workers]])
@@ -104,7 +105,8 @@ class DriverActor:
             return 0.0
         out, faults = survive(attempt, alive, self.config.cluster.max_restarts)
         self.faults["sync_restarts"] += faults
-        self.published.update({e: (self.versions[e], self.snapshots[e][0]) for e in self.expert_ids})
+        sums = get({e: self.snapshots[e][2] for e in expert_ids})
+        self.published.update({e: (self.versions[e], self.snapshots[e][0], sums[e]["checksum"]) for e in expert_ids})
         return out["sync_s"]
 
     def rollout(self, step: int, items: list[dict]) -> tuple[list, list]:
@@ -147,7 +149,7 @@ class DriverActor:
                     result, info = get(calls[e][0]), get(calls[e][1][2])
                 except ObjectLostError as lost:
                     raise RolloutLost(f"step {step}: {e}'s update lost its inputs ({type(lost).__name__})") from lost
-                if info != {"version": self.versions[e] + 1, "last_step": step}:
+                if (info["version"], info["last_step"]) != (self.versions[e] + 1, step):
                     raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
                 return result, keep_here(calls[e][1], self.nodes[e])
 
@@ -262,7 +264,8 @@ class DriverActor:
     def inspect(self) -> dict:
         """Where every version stands: experts, workers, the sync registry, and who is trained."""
         return {"experts": get({e: h.info.remote() for e, h in self.experts.items()}),
-                "snapshots": get({e: s[2] for e, s in self.snapshots.items()}),
+                "snapshots": {e: {k: info[k] for k in ("version", "last_step")}
+                              for e, info in get({e: s[2] for e, s in self.snapshots.items()}).items()},
                 "workers": get([w.version_vector.remote() for w in self.workers]),
                 "registry": get(self.sync.registrations.remote()), "update_targets": list(self.trained)}
 

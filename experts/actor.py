@@ -11,7 +11,8 @@ import copy
 import numpy as np
 import torch
 
-from cluster.recovery import this_node
+from cluster.recovery import in_ray_actor, this_node
+from cluster.weight_sync import fingerprint
 from experts.build import build_model
 from experts.text_encoder import pad_features
 from experts.updates import generator_loss, refiner_loss
@@ -52,7 +53,11 @@ class ExpertActor:
         self.last_step, self.last_stats = -1, {}
 
     def weights(self) -> dict[str, np.ndarray]:
-        return {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+        """The weights as numpy arrays. In a Ray actor they are views: Ray copies them into the
+        object store as the method returns, once. In-process (inline) they are copied here, or a
+        later update would change a snapshot already taken."""
+        views = {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
+        return views if in_ray_actor() else {k: v.copy() for k, v in views.items()}
 
     def node(self) -> str | None:
         """The Ray node this expert runs on now (it may move when Ray restarts it)."""
@@ -63,10 +68,13 @@ class ExpertActor:
 
     def snapshot(self) -> tuple[dict, dict, dict]:
         """Everything that restores this expert exactly, as three objects: (weights, optimizer
-        state, {version, last_step}). The driver keeps the latest as ObjectRefs (it owns them, so
+        state, {version, last_step, checksum: the weights' fingerprint, checked by every worker}). The driver keeps the latest as ObjectRefs (it owns them, so
         they outlive this actor), publishes the weights alone, fetches only the small third one,
         and checkpoints all three."""
-        return self.weights(), copy.deepcopy(self.optimizer.state_dict()), self.info()
+        weights = self.weights()
+        optimizer = self.optimizer.state_dict()
+        return (weights, optimizer if in_ray_actor() else copy.deepcopy(optimizer),
+                {**self.info(), "checksum": fingerprint(weights)})
 
     def restore(self, weights: dict, optimizer: dict | None, info: dict) -> dict:
         """Back to a snapshot or checkpoint: weights, optimizer moments, version and last applied
