@@ -8,16 +8,14 @@ the machine (the tests' own too), so the head is started like any user's, in a p
 its own that the test stops."""
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.test_job_submit import free_port, own_ports
+from tests.test_job_submit import free_port, start_head, stop_head
 
 WORKER_CPUS, MAX_WORKERS = 2, 3
 SMALL = ["trainer.steps=2", "trainer.prompts_per_step=2", "algorithm.group_size=4", "algorithm.num_skip_refinement=1",
@@ -55,23 +53,16 @@ def autoscaling_head(tmp_path):
     address = f"127.0.0.1:{port}"
     config = tmp_path / "autoscaling.json"
     config.write_text(json.dumps(fake_provider_config(address)))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_FAKE_CLUSTER": "1",
-           "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": "token"}
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": "token"}
     log = tmp_path / "head.log"
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
-                             f"--autoscaling-config={config}", "--num-cpus=0", "--node-ip-address=127.0.0.1",
-                             "--include-dashboard=false", "--disable-usage-stats", *own_ports()],
-                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_head([f"--port={port}", f"--autoscaling-config={config}", "--num-cpus=0",
+                       "--include-dashboard=false"], env, log)
     deadline = time.monotonic() + 60
     while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
     yield address, env, log
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    stop_head(proc)
 
 
 def test_a_run_needing_more_cpus_than_the_head_has_gets_workers_added(autoscaling_head, tmp_path):

@@ -32,6 +32,23 @@ def own_ports() -> list[str]:
     return [f"--{flag}={free_port()}" for flag in flags]
 
 
+def start_head(flags: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """`ray start --head --block` with `flags`, the venv's Python first on PATH (as in an image), on
+    free ports for every agent, in a process group of its own so `stop_head` ends all of it."""
+    env = {**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
+    return subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", "--disable-usage-stats", *own_ports(), *flags],
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_head(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def listens_beyond_loopback(port: int) -> bool:
     """True if something accepts connections on `port` at an address other than 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -48,13 +65,9 @@ def listens_beyond_loopback(port: int) -> bool:
 def head(tmp_path_factory):
     """A head started as users start one, with the venv's Python first on PATH (as in an image)."""
     gcs, dashboard = free_port(), free_port()
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     log = tmp_path_factory.mktemp("head") / "ray-start.log"
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={gcs}",
-         "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         "--include-dashboard=true", "--num-cpus=2", "--disable-usage-stats", *own_ports()],
-        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_head([f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                       "--include-dashboard=true", "--num-cpus=2"], dict(os.environ), log)
     url = f"http://127.0.0.1:{dashboard}"
     from ray.job_submission import JobSubmissionClient
     token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
@@ -68,11 +81,7 @@ def head(tmp_path_factory):
                 pytest.fail(f"the head did not come up: {log.read_text()[-3000:]}")
             time.sleep(1)
     yield {"client": client, "url": url, "dashboard_port": dashboard, "gcs_port": gcs}
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    stop_head(proc)
 
 
 def test_a_submitted_job_trains_and_writes_its_metrics(head, tmp_path):
