@@ -7,13 +7,14 @@ Weights change only between calls, so every sample is made by one version vector
 """
 from __future__ import annotations
 
-import warnings
+import time
 
 import numpy as np
 import torch
 
+from cluster.collective import BroadcastMember, layout
 from cluster.recovery import NotSynced, this_node
-from cluster.weight_sync import CorruptWeights, fingerprint
+from cluster.weight_sync import CorruptWeights, as_tensor, fingerprint
 from experts.build import build_model
 from experts.flow_sde import sample
 from experts.seeding import generator
@@ -27,7 +28,7 @@ def as_text(refinements: list[dict[str, Refinement]]) -> list[dict[str, str]]:
     return [{e: " ".join(r.words) for e, r in refs.items()} for refs in refinements]
 
 
-class RolloutWorker:
+class RolloutWorker(BroadcastMember):
     def __init__(self, config, index: int):
         torch.set_num_threads(1)
         self.config, self.index = config, index
@@ -44,15 +45,20 @@ class RolloutWorker:
         """Serve `version` of `expert_id` from now on; `weights` must match `checksum` if given.
         With `cluster.share_weights` the model reads them where they lie (read-only views of the
         object store, shared by every worker on the node); else it copies them."""
-        if checksum is not None and fingerprint(weights) != checksum:
+        share = self.config.cluster.share_weights
+        return self.serve(expert_id, version, {k: as_tensor(v) if share else torch.tensor(v) for k, v in weights.items()},
+                          checksum)
+
+    def receive_weights(self, expert_id: str, version: int, checksum: int) -> int:
+        """Serve `version` of `expert_id`, received from the expert's broadcast (`cluster.sync=collective`)."""
+        tensors = self.broadcast_group.receive(expert_id, layout(self.models[expert_id].state_dict()))
+        return self.serve(expert_id, version, tensors, checksum)
+
+    def serve(self, expert_id: str, version: int, tensors: dict[str, torch.Tensor], checksum: int | None) -> int:
+        """The model reads `tensors` in place from now on, once they match `checksum`; returns `version`."""
+        if checksum is not None and fingerprint(tensors) != checksum:
             raise CorruptWeights(f"rollout/{self.index}: {expert_id} v{version} does not match its fingerprint")
-        if self.config.cluster.share_weights:
-            with warnings.catch_warnings():  # the views are read-only, and inference never writes them
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                state = {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
-            self.models[expert_id].load_state_dict(state, assign=True)
-        else:
-            self.models[expert_id].load_state_dict({k: torch.tensor(v) for k, v in weights.items()})
+        self.models[expert_id].load_state_dict(tensors, assign=True)
         self.versions[expert_id] = version
         return version
 
@@ -68,6 +74,7 @@ class RolloutWorker:
         missing = [e for e, v in self.versions.items() if v is None]
         if missing:
             raise NotSynced(f"rollout/{self.index} has no weights for {missing}; sync first")
+        start = time.perf_counter()
         refinements, kept_ids, refiner_batch = self.refine(step, items)
         noise = self.noise(step, items)
         text, text_pad = self.encoder(self.compose(items, kept_ids))
@@ -81,7 +88,7 @@ class RolloutWorker:
         meta = {"sample": [it["sample"] for it in items], "terms": terms, "versions": [versions] * len(items),
                 "counterfactual": counterfactual, "valid": {"valid": valid}, "faults": self.faults,
                 "refinements": as_text(refinements),
-                "cache_hits": hits, "cache_misses": misses}
+                "cache_hits": hits, "cache_misses": misses, "busy_s": time.perf_counter() - start}
         trajectories = {"states": states.numpy(), "logps": logps.numpy(), "text": text.numpy(),
                         "text_pad": text_pad.numpy()}
         return meta, refiner_batch, trajectories

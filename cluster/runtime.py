@@ -57,6 +57,10 @@ class Runtime:
     def __init__(self, mode: str, run_name: str):
         self.mode, self.run_name = mode, run_name
 
+    def put(self, value):
+        """`value` in the object store (ray) or wrapped as an already-computed result (inline)."""
+        return InlineRef(value) if self.mode == "inline" else ray.put(value)
+
     def spawn(self, cls, *args, name: str, **options):
         if self.mode == "inline":
             return InlineHandle(cls(*args))

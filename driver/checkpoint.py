@@ -2,7 +2,9 @@
 
 `checkpoints/step_N/` holds, per expert, its state file (`experts.state_file`: weights and
 optimizer in safetensors, version and last applied step in JSON), plus `manifest.json` (the
-step the driver resumes at, every expert's version, and a sha256 per file). Random draws need no
+step the driver resumes at, every expert's version, and a sha256 per file). An asynchronous run
+(`cluster.max_staleness` > 0) also keeps the older weights its rollouts in flight were made with,
+as `<id>.v<version>` files, and which step used which. Random draws need no
 saved state: each one derives from (trainer.seed, step, sample). A checkpoint is written into a
 temporary folder and renamed into place, so it is whole or absent; the last
 `trainer.keep_checkpoints` are kept.
@@ -41,16 +43,25 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def save(run_dir: Path, step: int, snapshots: dict[str, tuple], keep: int = 0) -> Path:
+def save(run_dir: Path, step: int, snapshots: dict[str, tuple], keep: int = 0,
+         in_flight: dict[int, dict[str, tuple]] | None = None) -> Path:
     """Write checkpoint `step` (the driver resumes at this step) from each expert's
-    (weights, optimizer, info) snapshot, and prune to the last `keep`."""
+    (weights, optimizer, info) snapshot and the rollouts in flight's older weights
+    ({step: {expert: (version, weights)}}), and prune to the last `keep`."""
     final = run_dir / "checkpoints" / f"step_{step:06d}"
+    in_flight = in_flight or {}
     with atomic_dir(final) as tmp:
         for eid, snapshot in snapshots.items():
             state_file.write(tmp, eid, *snapshot)
+        for older in in_flight.values():
+            for eid, (version, weights) in older.items():
+                if not (tmp / f"{eid}.v{version}.safetensors").exists():
+                    state_file.write(tmp, f"{eid}.v{version}", weights, None, {"version": version, "last_step": -1})
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / "manifest.json").write_text(json.dumps(
-            {"step": step, "versions": {e: s[2]["version"] for e, s in snapshots.items()}, "files": files}, indent=1))
+            {"step": step, "versions": {e: s[2]["version"] for e, s in snapshots.items()},
+             "in_flight": {str(s): {e: v for e, (v, _) in older.items()} for s, older in in_flight.items()},
+             "files": files}, indent=1))
     if keep:
         for old in all_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
@@ -105,6 +116,12 @@ def verify(ckpt: Path, expert_ids: list[str]) -> int:
 def load(ckpt: Path, expert_ids: list[str]) -> tuple[int, dict[str, tuple]]:
     """(the step to resume at, each expert's (weights, optimizer, info)) from a verified checkpoint."""
     return verify(ckpt, expert_ids), {e: state_file.read(ckpt, e) for e in expert_ids}
+
+
+def load_in_flight(ckpt: Path) -> dict[int, dict[str, tuple]]:
+    """{step: {expert: (version, weights)}}: the older weights each rollout in flight was made with."""
+    return {int(s): {e: (v, state_file.read(ckpt, f"{e}.v{v}")[0]) for e, v in older.items()}
+            for s, older in manifest(ckpt).get("in_flight", {}).items()}
 
 
 def latest_weights(run_dir: Path, expert_ids: list[str]) -> tuple[Path, dict[str, dict]]:

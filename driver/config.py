@@ -71,6 +71,7 @@ class RefinerConfig(Strict):
     lr: PositiveFloat = 3e-3
     update_every: PositiveInt = 1
     kl_beta: NonNegativeFloat = 0.01
+    clip_eps: PositiveFloat = 0.2             # PPO clip of the ratio to the rollout's log-probs
     max_new_tokens: PositiveInt = Field(6, ge=2)
     temperature: PositiveFloat = 1.0
     init: InitPath = None                     # a checkpoint to start from (`jointrl pretrain` writes one)
@@ -187,6 +188,11 @@ class ClusterConfig(Strict):
     rollout_workers: PositiveInt = 1
     rollout_resources: Resources = Resources()  # per rollout worker
     share_weights: bool = True                # CPU workers read weights from the object store, no private copy
+    sync: Literal["object_store", "collective"] = "object_store"  # collective: experts broadcast new
+                                              # versions into the workers (for GPU weights); ray mode only
+    collective_backend: Literal["gloo", "nccl"] = "gloo"  # nccl: weights on GPUs
+    collective_timeout_s: PositiveFloat = 60.0  # a broadcast stuck this long falls back to the object store
+    max_staleness: NonNegativeInt = 0         # k > 0: rollouts for steps t+1..t+k run while step t updates
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"  # of the reserved bundles
     colocate: bool = True                     # false: experts and rollout workers in separate placement groups
     placement_timeout_s: PositiveFloat = 120.0  # then the run stops, naming the bundles it could not place

@@ -3,10 +3,15 @@
 prompts -> rollout (refine, generate, reward; on every worker) -> advantages -> the N+1 expert
 updates, concurrently -> weight sync -> metrics. The driver holds metadata and ObjectRefs only:
 token batches and trajectories travel from rollout workers to the experts through the object store.
+
+With `cluster.max_staleness=k` the rollouts of steps t+1..t+k are already submitted while step t
+updates: a worker runs its calls in order, so each one is made with the weights published before
+it was submitted, and the publish after step t reaches the workers behind them.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +22,11 @@ from cluster.placement import Placement
 from cluster.recovery import NotSynced, RolloutLost, SnapshotLost, keep_here, settle, survive
 from cluster.rollout import RolloutWorker
 from cluster.runtime import Runtime, get
-from cluster.weight_sync import WeightSyncActor
+from cluster.weight_sync import WeightSyncActor, fingerprint
 from driver import checkpoint
 from driver.credit import advantages
 from driver.metrics import MetricsLog
+from driver.staleness import lags, within
 from experts.actor import ExpertActor, StaleExpert
 from experts.seeding import derive_seed
 from tasks.reward import total_reward
@@ -33,11 +39,24 @@ def gather(metas: list[dict], key: str) -> dict[str, np.ndarray]:
     return {k: np.concatenate([m[key][k] for m in metas]) for k in metas[0][key]}
 
 
+@dataclass
+class Rollout:
+    """One step's rollout in flight: its samples, each worker's share and (meta, tokens,
+    trajectories) refs, and the weights every worker held when it was submitted, {expert:
+    (version, weights ref, fingerprint)}, which a restarted worker is given again to redo it."""
+    items: list[dict]
+    shards: list[list[dict]]
+    outs: list[tuple]
+    weights: dict[str, tuple]
+
+
 class DriverActor:
-    def __init__(self, config, run_dir: str, resume: str | None = None, placement: Placement | None = None):
+    def __init__(self, config, run_dir: str, resume: str | None = None, placement: Placement | None = None,
+                 expert_cls=ExpertActor):
         """`resume`: a checkpoint folder; the run continues from its step with every expert's
         weights, optimizer state and version restored, exactly as if it had never stopped.
-        `placement`: the bundles reserved for this run's actors (ray mode)."""
+        `placement`: the bundles reserved for this run's actors (ray mode). `expert_cls`: the
+        experts' actor class (bench/perf.py's scaling simulation swaps in one whose update sleeps)."""
         self.config, self.run_dir = config, Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.prompts = prompt_set(config.trainer.n_train_prompts, derive_seed(config.trainer.seed, "prompts"))
@@ -48,15 +67,22 @@ class DriverActor:
         self.credited = {**self.owns, **({"generator": config.experts.generator.owns}
                                          if config.experts.generator.owns else {})}
         self.placement = placement
-        self.experts = {e: self.runtime.spawn(ExpertActor, config, e, name=f"expert/{e}",
+        self.experts = {e: self.runtime.spawn(expert_cls, config, e, name=f"expert/{e}",
                                               **self.options(f"expert/{e}", config.expert(e).resources))
                         for e in self.expert_ids}
         self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}",
                                            **self.options(f"rollout/{j}", config.cluster.rollout_resources))
                         for j in range(config.cluster.rollout_workers)]
-        self.sync = self.runtime.spawn(WeightSyncActor, self.workers, name="weight_sync", **self.options("weight_sync"))
+        collective = config.cluster.sync == "collective" and config.cluster.mode == "ray"
+        self.sync = self.runtime.spawn(
+            WeightSyncActor, self.workers, self.experts if collective else None,
+            {"backend": config.cluster.collective_backend, "timeout_s": config.cluster.collective_timeout_s}
+            if collective else None, name="weight_sync", **self.options("weight_sync"))
         self.start_step = 0
-        self.faults = {"expert_restarts": 0, "worker_restarts": 0, "sync_restarts": 0, "rollouts_lost": 0}
+        self.in_flight: dict[int, Rollout] = {}  # submitted rollouts by step, at most max_staleness ahead
+        self.reloaded = False  # a worker was given older weights to redo a rollout: publish all after the step
+        self.faults = {"expert_restarts": 0, "worker_restarts": 0, "sync_restarts": 0, "sync_fallbacks": 0,
+                       "rollouts_lost": 0}
         states = {}
         if resume:
             self.start_step, states = checkpoint.load(Path(resume), self.expert_ids)
@@ -66,6 +92,8 @@ class DriverActor:
         self.published: dict[str, tuple] = {}  # expert -> (version, weights ref, fingerprint) every worker holds
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_before=self.start_step)
         self.publish(self.expert_ids)
+        if resume:
+            self.resubmit_in_flight(checkpoint.load_in_flight(Path(resume)))
 
     def options(self, name: str, resources=None) -> dict:
         """Ray options of the actor `name`: restarts, its resources and, if it reserved any, its bundle."""
@@ -90,45 +118,84 @@ class DriverActor:
         self.faults["expert_restarts"] += faults
         return snapshot
 
-    def publish(self, expert_ids: list[str]) -> float:
-        """Deliver the latest snapshot weights of `expert_ids` to every rollout worker; returns
-        seconds. If the sync actor or a worker died, every expert is published again, which
-        rebuilds the restarted sync actor's registry and a restarted worker's weights."""
+    def publish(self, expert_ids: list[str]) -> dict:
+        """Deliver the latest snapshot weights of `expert_ids` to every rollout worker: {sync_s, via}."""
+        infos = get({e: self.snapshots[e][2] for e in expert_ids})
+        return self.deliver({e: (self.versions[e], self.snapshots[e][0], infos[e]["checksum"]) for e in expert_ids},
+                            current=True)
+
+    def deliver(self, releases: dict[str, tuple], current: bool = False) -> dict:
+        """Give every worker these {expert: (version, weights ref, fingerprint)} and wait for their
+        acknowledgements; returns {sync_s, via: how they went}. `current`: the experts hold these versions now, so a
+        collective run may broadcast them. If the sync actor or a worker died, everything is
+        delivered again through the object store, which rebuilds the restarted sync actor's
+        registry and a restarted worker's weights."""
         def attempt(first):
-            ids = expert_ids if first else self.expert_ids
-            sums = {e: info["checksum"] for e, info in get({e: self.snapshots[e][2] for e in ids}).items()}
-            return get(self.sync.publish.remote([(e, self.versions[e], sums[e], [self.snapshots[e][0]]) for e in ids]))
+            send = releases if first else {**self.published, **releases}
+            return get(self.sync.publish.remote([(e, v, checksum, [ref]) for e, (v, ref, checksum) in send.items()],
+                                                broadcast=current and first))
 
         def alive():  # the sync actor and every worker answer once Ray has restarted them
             get([self.sync.registrations.remote(), *[w.version_vector.remote() for w in self.workers]])
-        if not expert_ids:
-            return 0.0
+        if not releases:
+            return {"sync_s": 0.0, "via": None}
         out, faults = survive(attempt, alive, self.config.cluster.max_restarts)
         self.faults["sync_restarts"] += faults
-        sums = get({e: self.snapshots[e][2] for e in expert_ids})
-        self.published.update({e: (self.versions[e], self.snapshots[e][0], sums[e]["checksum"]) for e in expert_ids})
-        return out["sync_s"]
+        self.faults["sync_fallbacks"] += out["fallback"] is not None
+        self.published.update(releases)
+        return {"sync_s": out["sync_s"], "via": out["via"]}
 
-    def rollout(self, step: int, items: list[dict]) -> tuple[list, list]:
-        """Every worker's share of this step's samples: (metas, the workers' (meta, tokens,
-        trajectories) refs). A worker that died is restarted by Ray, loaded with the published
-        weights and given its share again; a rollout is a pure function of step and weights."""
+    def submit_rollout(self, step: int) -> None:
+        """Every worker's share of `step`'s samples, made with the weights published so far."""
+        items = self.make_items(step)
         shards = [list(s) for s in np.array_split(np.array(items, dtype=object), len(self.workers))]
         outs = [w.rollout.options(num_returns=3).remote(step, s) for w, s in zip(self.workers, shards)]
-        metas = []
-        for j, (worker, shard) in enumerate(zip(self.workers, shards)):
-            def attempt(first, worker=worker, shard=shard, j=j):
+        self.in_flight[step] = Rollout(items, shards, outs, dict(self.published))
+
+    def submit_under(self, step: int, weights: dict[str, tuple]) -> None:
+        """`step`'s rollout made again with the `weights` it was first made with: the workers get
+        the ones that changed since, then what they held before."""
+        held = dict(self.published)
+        changed = {e: w for e, w in weights.items() if w[0] != held[e][0]}
+        self.deliver(changed)
+        self.submit_rollout(step)
+        self.deliver({e: held[e] for e in changed})
+
+    def look_ahead(self, step: int) -> None:
+        """Rollouts in flight for `step` and up to `cluster.max_staleness` steps after it."""
+        last = min(step + self.config.cluster.max_staleness, self.config.trainer.steps - 1)
+        for s in range(step, last + 1):
+            if s not in self.in_flight:
+                self.submit_rollout(s)
+
+    def resubmit_in_flight(self, saved: dict[int, dict[str, tuple]]) -> None:
+        """The rollouts a checkpoint had in flight, each made again with the older weights it was
+        made with ({step: {expert: (version, weights)}}), so that a resumed run equals the
+        uninterrupted one. Those beyond this run's `max_staleness` are left to `look_ahead`."""
+        for s in sorted(saved):
+            if s - self.start_step < self.config.cluster.max_staleness:
+                older = {e: (v, self.runtime.put(w), fingerprint(w)) for e, (v, w) in saved[s].items()}
+                self.submit_under(s, {**self.published, **older})
+
+    def collect(self, step: int) -> list[dict]:
+        """The metas of `step`'s rollout from every worker. A worker that died is restarted by Ray,
+        loaded with the weights the rollout was submitted under and given its share again: a
+        rollout is a pure function of step and weights."""
+        rollout, metas = self.in_flight[step], []
+        for j, worker in enumerate(self.workers):
+            def attempt(first, worker=worker, j=j):
                 if not first:
-                    settle(outs[j][1:])
-                    outs[j] = worker.rollout.options(num_returns=3).remote(step, shard)
-                return get(outs[j][0])
+                    settle(rollout.outs[j][1:])
+                    rollout.outs[j] = worker.rollout.options(num_returns=3).remote(step, rollout.shards[j])
+                return get(rollout.outs[j][0])
 
             def reload(worker=worker):
-                get([worker.load_weights.remote(e, *self.published[e]) for e in self.expert_ids])
+                self.reloaded = True
+                get([worker.load_weights.remote(e, *rollout.weights[e]) for e in self.expert_ids])
             meta, faults = survive(attempt, reload, self.config.cluster.max_restarts, lost=(NotSynced,))
             self.faults["worker_restarts"] += faults
             metas.append(meta)
-        return metas, outs
+        return metas
 
     def update(self, step: int, due: list[str], args: dict[str, tuple], stats: dict[str, dict]) -> None:
         """The due experts' updates, concurrently, then each one's new snapshot; each expert's
@@ -171,42 +238,45 @@ class DriverActor:
 
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
-        items = self.make_items(step)
-        groups = np.array([it["group"] for it in items])
-        refined = np.array([it["refine"] for it in items])
         stats: dict[str, dict] = {}
         while True:  # a rollout is a pure function of step and weights: one lost with a node is made again
-            metas, outs = self.rollout(step, items)  # metas are small: rewards, version vectors, refinements
-            self.check_versions(step, [v for m in metas for v in m["versions"]])
+            self.look_ahead(step)
+            rollout = self.in_flight[step]
+            metas = self.collect(step)  # metas are small: rewards, version vectors, refinements
+            groups = np.array([it["group"] for it in rollout.items])
+            refined = np.array([it["refine"] for it in rollout.items])
+            lag = lags([v for m in metas for v in m["versions"]], self.versions)
+            rewarded = gather(metas, "valid")["valid"]
+            valid = rewarded & within(lag, self.config.cluster.max_staleness)
             terms, counterfactual = gather(metas, "terms"), gather(metas, "counterfactual")
-            valid = gather(metas, "valid")["valid"]
             adv = advantages(self.config.algorithm.credit, terms, self.config.reward.weights, groups, refined,
                              self.credited, self.config.algorithm.adv_clip, counterfactual, valid)
             t_update = time.perf_counter()
             due = [e for e in self.trained if step % self.config.expert(e).update_every == 0 and valid.any()]
             try:
                 self.update(step, [e for e in due if e not in stats],
-                            {e: (adv[e], *[o[2] for o in outs]) if e == "generator"
-                             else (adv[e][refined], *[o[1] for o in outs]) for e in due}, stats)
+                            {e: (adv[e], *[o[2] for o in rollout.outs]) if e == "generator"
+                             else (adv[e][refined], *[o[1] for o in rollout.outs]) for e in due}, stats)
                 break
             except RolloutLost:
                 self.faults["rollouts_lost"] += 1
+                self.submit_under(step, self.in_flight.pop(step).weights)
+        del self.in_flight[step]
         self.versions.update({e: s["version"] for e, s in stats.items()})
         t_sync = time.perf_counter()
-        sync_s = self.publish(due)
+        sync = self.publish(self.expert_ids if self.reloaded else due)
+        self.reloaded = False
         row = self.metrics_row(step, terms, counterfactual, refined & valid, valid, metas, stats)
         row.update({f"faults/{k}": n for k, n in self.faults.items()})  # actor faults survived so far
-        row.update({"time/rollout_s": t_update - start, "time/update_s": t_sync - t_update,
-                    "time/sync_s": sync_s, "time/step_s": time.perf_counter() - start})
+        row["faults/dropped_samples"] = int((~rewarded).sum())
+        row.update({f"staleness/{e}": int(v.max()) for e, v in lag.items()})
+        row["staleness/dropped_samples"] = int((rewarded & ~valid).sum())
+        row["sync/via"] = sync["via"]  # collective, object_store (also a collective run's fallback), None
+        rollout_s = max(m["busy_s"] for m in metas)  # the slowest worker's share
+        step_s = time.perf_counter() - start
+        row.update({"time/rollout_s": rollout_s, "time/update_s": t_sync - t_update, "time/sync_s": sync["sync_s"],
+                    "time/idle_s": max(0.0, step_s - rollout_s), "time/step_s": step_s})
         return row
-
-    def check_versions(self, step: int, vectors: list[dict]) -> None:
-        """Synchronous training: every sample must come from the versions published so far."""
-        for v in vectors:
-            stale = {e: v[e] for e in self.expert_ids if v[e] != self.versions[e]}
-            if stale:
-                raise RuntimeError(f"step {step}: samples made with stale weights {stale}, "
-                                   f"expected {self.versions}")
 
     def metrics_row(self, step, terms, counterfactual, refined, valid, metas, stats) -> dict:
         """Rewards are means over the valid samples (None in a step without any)."""
@@ -222,7 +292,6 @@ class DriverActor:
             row[f"reward/{e}"] = float(np.mean([terms[t][refined].mean() for t in owned])) if refined.any() else None
         faults = {k: sum(m["faults"].get(k, 0) for m in metas) for k in FAULTS}
         row.update({f"faults/{k}": n for k, n in faults.items()})
-        row["faults/dropped_samples"] = int((~valid).sum())
         row["faults/skipped_update"] = int(not valid.any())
         row.update({f"version/{e}": v for e, v in self.versions.items()})
         row["version/text_encoder"] = metas[0]["versions"][0]["text_encoder"]
@@ -242,8 +311,12 @@ class DriverActor:
         return row
 
     def save_checkpoint(self, step: int) -> Path:
+        """Every expert's snapshot, plus the older weights the rollouts in flight were made with."""
         snapshots = {e: tuple(get(list(refs))) for e, refs in self.snapshots.items()}
-        return checkpoint.save(self.run_dir, step, snapshots, keep=self.config.trainer.keep_checkpoints)
+        in_flight = {s: {e: (w[0], get(w[1])) for e, w in r.weights.items() if w[0] != self.versions[e]}
+                     for s, r in self.in_flight.items()}
+        return checkpoint.save(self.run_dir, step, snapshots, keep=self.config.trainer.keep_checkpoints,
+                               in_flight=in_flight)
 
     def run(self, on_row=None) -> dict:
         every = self.config.trainer.checkpoint_every
@@ -267,7 +340,8 @@ class DriverActor:
                 "snapshots": {e: {k: info[k] for k in ("version", "last_step")}
                               for e, info in get({e: s[2] for e, s in self.snapshots.items()}).items()},
                 "workers": get([w.version_vector.remote() for w in self.workers]),
-                "registry": get(self.sync.registrations.remote()), "update_targets": list(self.trained)}
+                "registry": get(self.sync.registrations.remote()), "update_targets": list(self.trained),
+                "in_flight": sorted(self.in_flight)}
 
     def shutdown(self) -> None:
         """Stop this run's actors and give back its placement groups (they would outlive the driver)."""

@@ -11,23 +11,24 @@ from pathlib import Path
 from cluster.placement import Placement
 from cluster.runtime import InlineHandle, Runtime, get
 from driver.driver_actor import DriverActor
+from experts.actor import ExpertActor
 
 
-def start_driver(config, run_dir: Path, resume: Path | None = None):
+def start_driver(config, run_dir: Path, resume: Path | None = None, expert_cls=ExpertActor):
     """A handle to a new driver (its experts, workers and weight sync started and synced), resumed
-    from the checkpoint folder `resume` if given."""
+    from the checkpoint folder `resume` if given; its experts are `expert_cls` actors."""
     resume = str(Path(resume).resolve()) if resume else None
     if config.cluster.mode == "inline":
         import torch
         torch.set_num_threads(1)
-        return InlineHandle(DriverActor(config, str(run_dir), resume))
+        return InlineHandle(DriverActor(config, str(run_dir), resume, None, expert_cls))
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     placement = Placement(config, config.trainer.run_name)  # raises PlacementError, naming what is missing
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return Runtime("ray", config.trainer.run_name).spawn(
-        DriverActor, config, str(Path(run_dir).resolve()), resume, placement, name="driver", max_concurrency=2,
+        DriverActor, config, str(Path(run_dir).resolve()), resume, placement, expert_cls, name="driver", max_concurrency=2,
         scheduling_strategy=here)
 
 

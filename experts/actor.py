@@ -11,6 +11,7 @@ import copy
 import numpy as np
 import torch
 
+from cluster.collective import BroadcastMember
 from cluster.recovery import in_ray_actor, this_node
 from cluster.weight_sync import fingerprint
 from experts.build import build_model
@@ -41,7 +42,7 @@ class StaleExpert(RuntimeError):
     """An expert asked to update from a version it does not hold (it restarted and lost its state)."""
 
 
-class ExpertActor:
+class ExpertActor(BroadcastMember):
     def __init__(self, config, expert_id: str):
         torch.set_num_threads(1)
         self.expert_id, self.config = expert_id, config
@@ -58,6 +59,12 @@ class ExpertActor:
         later update would change a snapshot already taken."""
         views = {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
         return views if in_ray_actor() else {k: v.copy() for k, v in views.items()}
+
+    def send_weights(self, version: int) -> None:
+        """Broadcast this expert's weights, at `version`, into every rollout worker (`cluster.sync=collective`)."""
+        if version != self.version:
+            raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to send version {version}")
+        self.broadcast_group.send(self.expert_id, self.model.state_dict())
 
     def node(self) -> str | None:
         """The Ray node this expert runs on now (it may move when Ray restarts it)."""
@@ -101,7 +108,8 @@ class ExpertActor:
                                          self.spec.clip_eps, self.spec.kl_beta)
         else:
             batch = merge_refiner_batches(self.expert_id, list(shards))
-            loss, stats = refiner_loss(self.model, self.reference, batch, adv, self.spec.kl_beta)
+            loss, stats = refiner_loss(self.model, self.reference, batch, adv, self.spec.clip_eps,
+                                         self.spec.kl_beta)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"{self.expert_id}: non-finite loss at step {step}; update not applied")
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,6 +1,7 @@
 """The per-expert update rules of SPEC §2, each a loss a reader can check against the papers.
 
-refiner_loss:   token-level policy gradient with a k3 KL to the frozen reference (PromptRL).
+refiner_loss:   token-level policy gradient with a k3 KL to the frozen reference (PromptRL), its
+                ratio taken against the rollout's log-probs so that stale samples are corrected.
 generator_loss: Flow-GRPO's PPO-clipped objective over SDE steps + closed-form Gaussian KL.
 """
 from __future__ import annotations
@@ -16,26 +17,31 @@ def kl3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, kl_beta: float):
-    """Per token -(rho A - beta KL3), rho = exp(logp - sg(logp)), averaged over all valid tokens."""
+def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: float, kl_beta: float):
+    """Per token PPO-clip(r, A) + beta KL3 with r = exp(logp - logp_rollout), averaged over all valid
+    tokens. On-policy (`cluster.max_staleness=0`) r = 1 to float rounding, so the gradient is
+    SPEC's rho = exp(logp - sg(logp)); samples made by an older version are corrected by r."""
     logp = policy.token_logprobs(batch["prompts"], batch["tokens"])
     with torch.no_grad():
         ref_logp = reference.token_logprobs(batch["prompts"], batch["tokens"])
     mask = batch["mask"].float()
-    rho = torch.exp(logp - logp.detach())
+    ratio = torch.exp(logp - batch["logps"])
     kl = kl3(logp, ref_logp)
-    per_token = -(rho * adv[:, None] - kl_beta * kl)
+    per_token = clipped_surrogate(ratio, adv[:, None], clip_eps) + kl_beta * kl
     n = mask.sum().clamp(min=1.0)
     loss = (per_token * mask).sum() / n
-    behaviour_ratio = (torch.exp(logp.detach() - batch["logps"]) * mask).sum() / n
-    return loss, {"kl": float((kl.detach() * mask).sum() / n), "ratio_mean": float(behaviour_ratio)}
+    return loss, {"kl": float((kl.detach() * mask).sum() / n), "ratio_mean": float((ratio.detach() * mask).sum() / n)}
+
+
+def clipped_surrogate(ratio, adv, clip_eps: float):
+    """Elementwise max(-A r, -A clip(r, 1 - eps, 1 + eps)): PPO's pessimistic bound."""
+    return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps))
 
 
 def ppo_clip_objective(logp, old_logp, adv, clip_eps: float):
     """mean(max(-A r, -A clip(r, 1 - eps, 1 + eps))) with r = exp(logp - old_logp)."""
     ratio = torch.exp(logp - old_logp)
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)).mean()
-    return loss, ratio
+    return clipped_surrogate(ratio, adv, clip_eps).mean(), ratio
 
 
 def generator_loss(policy, reference, batch: dict, adv: torch.Tensor, noise_level: float,

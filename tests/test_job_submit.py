@@ -42,11 +42,19 @@ def start_head(flags: list[str], env: dict, log: Path) -> subprocess.Popen:
 
 
 def stop_head(proc: subprocess.Popen) -> None:
+    """SIGTERM to the head's process group, then SIGKILL to what is left of it after a few seconds
+    (a `ray start --block` head takes half a minute to wind down by itself; a test's head keeps
+    nothing worth the wait)."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
+        pass
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
 
 
 def listens_beyond_loopback(port: int) -> bool:

@@ -18,9 +18,10 @@ def own_gain(rows, expert_id, window=10):
     return mean(rows[-window:], key) - mean(rows[:window], key)
 
 
-@pytest.fixture(scope="module")
-def per_expert_run(tmp_path_factory, ray_session):
-    cfg = make_config("trainer.steps=60")
+@pytest.fixture(scope="module", params=[0, 1], ids=["sync", "staleness1"])
+def per_expert_run(request, tmp_path_factory, ray_session):
+    """60 steps of the default preset, synchronous and with rollouts one step ahead of the updates."""
+    cfg = make_config("trainer.steps=60", f"cluster.max_staleness={request.param}")
     return cfg, *run_training(cfg, tmp_path_factory.mktemp("per_expert"), inspect_weights=("generator",))
 
 

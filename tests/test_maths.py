@@ -55,8 +55,25 @@ def test_refiner_recomputed_logprob_equals_recorded():
     again = lm.token_logprobs(prompts, tokens)
     torch.testing.assert_close(again * mask, logps * mask, rtol=1e-5, atol=1e-5)
     batch = {"prompts": prompts, "tokens": tokens, "logps": logps, "mask": mask}
-    loss, stats = refiner_loss(lm, build_model(CFG, "refiner_0"), batch, torch.ones(5), 0.01)
+    loss, stats = refiner_loss(lm, build_model(CFG, "refiner_0"), batch, torch.ones(5), 0.2, 0.01)
     assert abs(stats["ratio_mean"] - 1.0) < 1e-5 and stats["kl"] < 1e-10
+
+
+def test_refiner_ratio_is_taken_against_the_rollout_logprobs_and_clipped():
+    """A sample from an older refiner (async rollouts): the ratio to its recorded log-probs corrects
+    the gradient, and PPO's clip stops it where the policy already moved past 1 + eps."""
+    lm = build_model(CFG, "refiner_0")
+    prompts = [list(p.ids) for p in prompt_set(5, seed=2)]
+    tokens, logps, mask = lm.sample(prompts, torch.rand(5, lm.max_new_tokens, generator=torch.Generator().manual_seed(0)))
+    stale = {"prompts": prompts, "tokens": tokens, "logps": logps - 0.5 * mask, "mask": mask}
+    ref = build_model(CFG, "refiner_0")
+    loss, stats = refiner_loss(lm, ref, stale, torch.ones(5), 0.2, 0.0)
+    assert abs(stats["ratio_mean"] - float(np.exp(0.5))) < 1e-4
+    loss.backward()  # A > 0 and r = 1.65 > 1.2: clipped, no gradient
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in lm.parameters())
+    lm.zero_grad()
+    refiner_loss(lm, ref, stale, -torch.ones(5), 0.2, 0.0)[0].backward()  # A < 0: the pessimistic term is r
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lm.parameters())
 
 
 def test_ppo_clipping():

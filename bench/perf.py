@@ -1,0 +1,188 @@
+"""Performance of the service, every figure a ratio of runs measured side by side in this run.
+
+overhead: step time of `ray` against `inline` for the same config (1 rollout worker), and the
+          rollout phase (step - update - sync, as the driver sees it) with 2 workers against 1.
+async:    step time at `cluster.max_staleness=1` against 0 with rollout and update balanced:
+          generator-only, plus a reward model of fixed cost (bench/scored_reward.py) whose cost
+          is calibrated here so that the rollout takes as long as the update.
+scaling:  N = 1, 2, 4, 8 refiners (plus the generator) whose update sleeps a fixed time instead of
+          computing: the N+1 updates run concurrently, so the step should not grow with N.
+sync:     bench/sync.py (weights to W workers against the memcpy bound and naive transfer; memory).
+Prints each table and writes bench/results/perf.md (`make bench`).
+Usage: python bench/perf.py [--quick] [--skip-sync] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import ray  # noqa: E402
+
+from bench.scored_reward import score  # noqa: E402
+from cluster.runtime import get  # noqa: E402
+from driver.config import load_config  # noqa: E402
+from driver.launch import start_driver, stop_driver  # noqa: E402
+from experts.actor import ExpertActor, StaleExpert  # noqa: E402
+
+SCORED = ["reward.fn=bench.scored_reward:shapes_and_scorer",
+          "reward.weights={image: 1.0, fidelity: 0.5, style: 0.5, format: 0.5, scorer: 0.0}"]
+
+
+class SleepyExpert(ExpertActor):
+    """An expert whose update sleeps `SLEEP_S` instead of computing, and still bumps its version."""
+    SLEEP_S = 1.0
+
+    def update(self, step: int, version: int, advantages, *shards) -> dict:
+        if step <= self.last_step:
+            return self.last_stats
+        if version != self.version:
+            raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to update from {version}")
+        time.sleep(self.SLEEP_S)
+        self.version, self.last_step = self.version + 1, step
+        self.last_stats = {"loss": 0.0, "kl": 0.0, "ratio_mean": 1.0, "version": self.version}
+        return self.last_stats
+
+
+def train(work: Path, name: str, overrides: list[str], preset: str = "shapes", expert_cls=ExpertActor) -> list[dict]:
+    """Run a config to completion on the Ray started here (or in-process if it says inline)."""
+    cfg = load_config(preset, overrides)
+    cfg.trainer.run_name = f"perf-{name}-{time.time_ns()}"
+    run_dir = work / name
+    driver = start_driver(cfg, run_dir, expert_cls=expert_cls)
+    try:
+        get(driver.run.remote())
+    finally:
+        stop_driver(driver)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def median(rows: list[dict], key, warm: int) -> float:
+    """Median of `key` (a metric name, or a function of a row) over the steps after `warm`."""
+    values = [key(r) if callable(key) else r[key] for r in rows[warm:]]
+    return statistics.median(values)
+
+
+def rollout_phase(row: dict) -> float:
+    return row["time/step_s"] - row["time/update_s"] - row["time/sync_s"]
+
+
+def overhead(work: Path, steps: int, warm: int) -> list[tuple]:
+    base = [f"trainer.steps={steps}"]
+    inline = train(work, "inline", [*base, "cluster.mode=inline"])
+    one = train(work, "ray-1", [*base, "cluster.rollout_workers=1"])
+    two = train(work, "ray-2", [*base, "cluster.rollout_workers=2"])
+    step_in, step_ray = median(inline, "time/step_s", warm), median(one, "time/step_s", warm)
+    phase_1, phase_2 = median(one, rollout_phase, warm), median(two, rollout_phase, warm)
+    return [("step time, ray / inline (1 worker)", f"{step_ray:.3f} s / {step_in:.3f} s", step_ray / step_in,
+             "≤ 1.15", step_ray / step_in <= 1.15),
+            ("rollout phase, 1 worker / 2 workers", f"{phase_1:.3f} s / {phase_2:.3f} s", phase_1 / phase_2,
+             "≥ 1.6", phase_1 / phase_2 >= 1.6)]
+
+
+def calibrate_scorer(work: Path, steps: int, warm: int) -> tuple[int, float, float]:
+    """(scorer passes, rollout s, update s): the passes that make the generator-only rollout as
+    long as its update, from an inline run without the scorer and the timed cost of one pass."""
+    os.environ["JOINTRL_SCORER_PASSES"] = "0"
+    rows = train(work, "calibrate", [f"trainer.steps={steps}", "cluster.mode=inline", "experts.generator_only=true",
+                                     *SCORED])
+    rollout_s, update_s = median(rows, "time/rollout_s", warm), median(rows, "time/update_s", warm)
+    cfg = load_config("shapes")
+    images = np.zeros((cfg.trainer.prompts_per_step * cfg.algorithm.group_size, 3, cfg.task.image_size,
+                       cfg.task.image_size), np.float32)
+    score(images, 2)  # warm
+    start = time.perf_counter()
+    score(images, 10)
+    per_pass = (time.perf_counter() - start) / 10
+    return max(0, round((update_s - rollout_s) / per_pass)), rollout_s, update_s
+
+
+def asynchronous(work: Path, steps: int, warm: int) -> list[tuple]:
+    base = [f"trainer.steps={steps}", "experts.generator_only=true", *SCORED]
+    sync = train(work, "sync", [*base, "cluster.max_staleness=0"])
+    ahead = train(work, "async", [*base, "cluster.max_staleness=1"])
+    s0, s1 = median(sync, "time/step_s", warm), median(ahead, "time/step_s", warm)
+    r0, u0 = median(sync, "time/rollout_s", warm), median(sync, "time/update_s", warm)
+    i0, i1 = median(sync, "time/idle_s", warm), median(ahead, "time/idle_s", warm)
+    return [("balance in the synchronous run, rollout / update", f"{r0:.3f} s / {u0:.3f} s", r0 / u0, "≈ 1", None),
+            ("step time, staleness 1 / staleness 0", f"{s1:.3f} s / {s0:.3f} s", s1 / s0, "≤ 0.7", s1 / s0 <= 0.7),
+            ("workers idle per step, staleness 1 / staleness 0", f"{i1:.3f} s / {i0:.3f} s", i1 / i0, "", None)]
+
+
+def scaling(work: Path, steps: int, warm: int, sizes: list[int]) -> list[tuple]:
+    out, first = [], None
+    for n in sizes:
+        rows = train(work, f"scale-{n}", [f"trainer.steps={steps}", f"experts.n_refiners={n}",
+                                          "algorithm.credit=shared"], preset="shapes-tiny", expert_cls=SleepyExpert)
+        step_s, update_s = median(rows, "time/step_s", warm), median(rows, "time/update_s", warm)
+        first = first or step_s
+        out.append((f"N = {n}: {n + 1} updates of {SleepyExpert.SLEEP_S:.1f} s", f"step {step_s:.3f} s, "
+                    f"update phase {update_s:.3f} s", step_s / first, "≤ 1.3 at N = 8" if n == 8 else "",
+                    step_s / first <= 1.3 if n == 8 else None))
+    return out
+
+
+def table(title: str, rows: list[tuple], note: str) -> list[str]:
+    lines = [f"## {title}", "", note, "", "| measured | times | ratio | bar | met |", "|---|---|---|---|---|"]
+    lines += [f"| {what} | {times} | {ratio:.2f}× | {bar} | {'' if met is None else ('yes' if met else '**no**')} |"
+              for what, times, ratio, bar, met in rows]
+    return [*lines, ""]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="few steps, N = 1 and 2, sync --quick (a smoke run)")
+    p.add_argument("--skip-sync", action="store_true", help="leave out bench/sync.py")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "perf.md"))
+    args = p.parse_args()
+    steps, warm = (4, 1) if args.quick else (14, 2)
+    sizes = [1, 2] if args.quick else [1, 2, 4, 8]
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sections = []
+    with tempfile.TemporaryDirectory(prefix="jointrl-perf-") as tmp:
+        work = Path(tmp)
+        passes, r_cal, u_cal = calibrate_scorer(work, steps, warm)
+        print(f"scorer calibrated: {passes} passes (rollout {r_cal:.3f} s, update {u_cal:.3f} s without it)")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="jointrl",
+                 _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"JOINTRL_SCORER_PASSES": str(passes), "PYTHONPATH": str(ROOT)}})
+        os.environ["JOINTRL_SCORER_PASSES"] = str(passes)
+        try:
+            sections.append(table("Overhead", overhead(work, steps, warm),
+                                  f"Preset `shapes`, {steps} steps, medians after {warm}."))
+            sections.append(table("Async rollouts", asynchronous(work, steps, warm),
+                                  f"Generator-only `shapes` plus a reward model of {passes} scorer passes "
+                                  f"(calibrated here), {steps} steps, medians after {warm}."))
+            sections.append(table("Scaling by simulation", scaling(work, steps, warm, sizes),
+                                  f"Preset `shapes-tiny` with N refiners, shared credit; every update sleeps "
+                                  f"{SleepyExpert.SLEEP_S:.1f} s. Ratios are against N = 1."))
+        finally:
+            ray.shutdown()
+    if not args.skip_sync:
+        sync_md = out.with_name("sync.md" if not args.quick else "sync-quick.md")
+        subprocess.run([sys.executable, str(ROOT / "bench" / "sync.py"), "--out", str(sync_md),
+                        *(["--quick"] if args.quick else [])], check=True, stdout=subprocess.DEVNULL)
+        sections.append(["## Weight sync and memory", "", sync_md.read_text().split("\n", 2)[2]])
+    head = [f"# Performance (`python bench/perf.py{' --quick' if args.quick else ''}`, {time.strftime('%Y-%m-%d')}, "
+            f"{os.cpu_count()} cores, local Ray)", ""]
+    text = "\n".join(head + [line for s in sections for line in s]) + "\n"
+    print(text)
+    out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Weight sync by collective broadcast (`cluster.sync=collective`, gloo here, NCCL on GPUs): the
+same versions, fingerprints and acknowledgements as the object-store path, the same training
+numbers, and a group that re-forms itself after a member is killed."""
+import json
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from cluster.collective import flatten, layout, unflatten
+from cluster.runtime import get
+from cluster.weight_sync import fingerprint
+from driver.launch import start_driver, stop_driver
+from tests.conftest import make_config, run_training
+
+STEPS = 5
+
+
+def config(*extra):
+    return make_config(f"trainer.steps={STEPS}", "cluster.rollout_workers=2", *extra, preset="shapes-tiny")
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "faults/", "sync/"))
+             and k != "text_encoder/cache_hit_rate"} for r in rows]
+
+
+def test_flat_buffers_round_trip_every_dtype_as_views():
+    tensors = {"w": torch.randn(3, 4), "steps": torch.arange(5), "half": torch.randn(7).to(torch.bfloat16),
+               "b": torch.randn(2)}
+    buffers = flatten(tensors)
+    assert [b.dtype for b in buffers] == [torch.float32, torch.bfloat16, torch.int64]  # one per dtype, name order
+    out = unflatten(buffers, layout(tensors))
+    assert all(torch.equal(out[k], tensors[k]) and out[k].shape == tensors[k].shape for k in tensors)
+    assert out["w"].untyped_storage().data_ptr() == out["b"].untyped_storage().data_ptr()  # views, no copies
+
+
+def test_the_fingerprint_of_tensors_is_that_of_their_arrays():
+    arrays = {"a": np.arange(10, dtype=np.float32), "b": np.ones((3, 3), np.float32), "c": np.arange(7, dtype=np.uint8)}
+    assert fingerprint({k: torch.from_numpy(v) for k, v in arrays.items()}) == fingerprint(arrays)
+    assert fingerprint({"h": torch.ones(5, dtype=torch.bfloat16)}) != fingerprint({"h": torch.ones(5, dtype=torch.float16)})
+
+
+@pytest.fixture(scope="module")
+def object_store_rows(ray_session, tmp_path_factory):
+    rows, _, _ = run_training(config(), tmp_path_factory.mktemp("object_store"))
+    return rows
+
+
+def test_a_collective_run_broadcasts_every_version_and_trains_the_same(object_store_rows, tmp_path):
+    rows, info, _ = run_training(config("cluster.sync=collective"), tmp_path)
+    assert comparable(rows) == comparable(object_store_rows)
+    assert [r["sync/via"] for r in rows] == ["collective"] * STEPS
+    assert rows[-1]["faults/sync_fallbacks"] == 0
+    assert all(w == {**info["registry"], "text_encoder": 0} for w in info["workers"])
+
+
+def test_a_killed_worker_is_synced_through_the_object_store_and_the_group_reformed(object_store_rows, tmp_path):
+    cfg = config("cluster.sync=collective", "cluster.collective_timeout_s=20")
+    cfg.trainer.run_name = "collective-kill"
+    driver = start_driver(cfg, tmp_path)
+    done = driver.run.remote()
+    while len(get(driver.poll.remote(0))) < 2:
+        assert not ray.wait([done], timeout=0.05)[0], "the run finished before the kill"
+    ray.kill(ray.get_actor("collective-kill/rollout/1", namespace="jointrl"), no_restart=False)
+    time.sleep(0.3)
+    get(done)
+    stop_driver(driver)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert comparable(rows) == comparable(object_store_rows)
+    assert rows[-1]["faults/worker_restarts"] + rows[-1]["faults/sync_restarts"] == 1
+    assert rows[-1]["sync/via"] == "collective"  # the group was formed again with the new worker
