@@ -29,8 +29,9 @@ def demand(config) -> dict[str, dict[str, dict[str, float]]]:
     experts = {f"expert/{e}": bundle(config.expert(e).resources) for e in config.experts.ids()}
     workers = {f"rollout/{j}": bundle(config.cluster.rollout_resources)
                for j in range(config.cluster.rollout_workers)}
-    groups = {"actors": {**experts, **workers}} if config.cluster.colocate else {"experts": experts,
-                                                                                   "rollout": workers}
+    rewards = {f"reward/{k}": bundle(config.reward.resources) for k in range(config.reward.actors)}
+    groups = {"actors": {**experts, **workers, **rewards}} if config.cluster.colocate else {
+        "experts": experts, "rollout": {**workers, **rewards}}
     return {g: {name: b for name, b in actors.items() if b} for g, actors in groups.items()}
 
 

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from driver.config import ConfigError
 from experts import state_file
+from experts.weights import synced_state
 
 
 class CheckpointError(ConfigError):
@@ -135,7 +136,7 @@ def latest_weights(run_dir: Path, expert_ids: list[str]) -> tuple[Path, dict[str
 def check_shapes(ckpt: Path, expert_id: str, model: torch.nn.Module) -> None:
     """Raise, naming the tensor, if `ckpt`'s weights for `expert_id` do not fit `model`."""
     path = ckpt / f"{expert_id}.safetensors"
-    want = {f"weights.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    want = {f"weights.{k}": tuple(v.shape) for k, v in synced_state(model).items()}
     try:
         with safe_open(str(path), "pt") as f:
             have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("weights.")}

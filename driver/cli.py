@@ -35,6 +35,8 @@ def parse_args(argv):
     s.add_argument("-n", type=int, default=4, help="images to draw (default 4)")
     s.add_argument("--seed", type=int, default=0, help="seeds the refiners' and generator's draws")
     s.add_argument("--out", default=None, help="the PNG to write (default RUN/samples/<prompt>-seed<S>.png)")
+    r = sub.add_parser("report", help="plot a run's curves and samples as PNG files in RUN_DIR/report/")
+    r.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (with metrics.jsonl)")
     for sp in (t, pre, e):
         sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -166,6 +168,16 @@ def run_sample(args) -> int:
     return 0
 
 
+def run_report(args) -> int:
+    from driver.report import report
+    try:
+        written = report(Path(args.run_dir))
+    except ConfigError as e:
+        return config_error(e)
+    print(f"jointrl: report of {args.run_dir}\n" + "\n".join(f"  {p}" for p in written))
+    return 0
+
+
 def run_pretrain(args) -> int:
     from driver.evaluate import evaluate_base, table
     from driver.pretrain import base_dir, pretrain_all
@@ -213,4 +225,5 @@ def run_train(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample}[args.command](args)
+    return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
+            "report": run_report}[args.command](args)

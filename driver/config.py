@@ -65,6 +65,47 @@ class TinyLMConfig(Strict):
     n_heads: PositiveInt = 4
 
 
+class LoraConfig(Strict):
+    """A LoRA adapter (peft): only it trains, syncs and is checkpointed; the reference is the base."""
+    r: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _model_path(path: str) -> str:
+    """A local model directory (with its config.json) or a hub id (`org/name`, fetched when loaded)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file() and not (local / "model_index.json").is_file():
+            raise ValueError(f"'{path}' is a directory without config.json or model_index.json: not a saved model")
+        return str(local)
+    if path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise ValueError(f"no model directory at '{path}' (and it is not a hub id like 'org/name')")
+    return path
+
+
+def _installed(*modules: str):
+    def check(value):
+        import importlib.util
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(f"needs {missing}: pip install 'jointrl[hf]'")
+        return value
+    return check
+
+
+class HFCausalLMConfig(Strict):
+    """A Hugging Face causal LM refiner (a Qwen-class instruct model), prompted with its chat template."""
+    kind: Annotated[Literal["hf_causal_lm"], AfterValidator(_installed("transformers", "peft"))]
+    path: Annotated[str, AfterValidator(_model_path)]
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    system_prompt: str = ("Rewrite the user's image prompt into a more detailed one. Think briefly, then give "
+                          "the new prompt inside <answer></answer>.")
+    answer_tag: str | None = "answer"         # the refinement is the text inside <tag>…</tag>; None: all of it
+    lora: LoraConfig | None = None
+
+
 class RefinerConfig(Strict):
     owns: list[str] | None = None            # reward terms credited to this refiner; None: the default
     train: bool = True
@@ -76,7 +117,7 @@ class RefinerConfig(Strict):
     temperature: PositiveFloat = 1.0
     init: InitPath = None                     # a checkpoint to start from (`jointrl pretrain` writes one)
     resources: Resources = Resources()
-    model: TinyLMConfig = TinyLMConfig()
+    model: Annotated[TinyLMConfig | HFCausalLMConfig, Field(discriminator="kind")] = TinyLMConfig()
 
 
 class TinyDiTConfig(Strict):
@@ -203,6 +244,9 @@ class RewardConfig(Strict):
     weights: dict[str, NonNegativeFloat] = {"image": 1.0, "fidelity": 0.5, "style": 0.5, "format": 0.5}
     fn: str | None = None                     # package.module:function returning named terms; None: shapes
     timeout_s: PositiveFloat = 60.0           # a reward call slower than this drops its samples
+    actors: NonNegativeInt = 0                # K > 0: a pool of K reward actors scores every batch (a reward
+                                              # model loaded once per actor); 0: each rollout worker scores
+    resources: Resources = Resources()        # per reward actor
 
     @model_validator(mode="after")
     def _known_terms(self):
@@ -236,6 +280,24 @@ class PretrainConfig(Strict):
     out_dir: str = "runs/pretrained"          # bases are cached here by a hash of what shapes them
 
 
+class LoggingConfig(Strict):
+    """Where metrics and samples go besides RUN_DIR/metrics.jsonl (always written)."""
+    tensorboard: bool = False                 # RUN_DIR/tensorboard/ event files
+    wandb: bool = False                       # Weights & Biases, in RUN_DIR/wandb/
+    wandb_project: str = "jointrl"
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline works without a network; `wandb sync` later
+    images_every: NonNegativeInt = 0          # sample images with their prompts every N steps (and the last); 0: never
+    images_per_log: PositiveInt = 8
+
+    @model_validator(mode="after")
+    def _installed(self):
+        import importlib.util
+        for flag, module, extra in (("tensorboard", "tensorboard", "log"), ("wandb", "wandb", "log")):
+            if getattr(self, flag) and importlib.util.find_spec(module) is None:
+                raise ValueError(f"{flag}=true needs the '{module}' package: pip install 'jointrl[{extra}]'")
+        return self
+
+
 class TaskConfig(Strict):
     name: Literal["shapes"] = "shapes"
     image_size: PositiveInt = 32
@@ -250,6 +312,7 @@ class Config(Strict):
     task: TaskConfig = TaskConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
     pretrain: PretrainConfig = PretrainConfig()
+    logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
     def _owned_terms(self):

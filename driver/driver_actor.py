@@ -5,8 +5,9 @@ updates, concurrently -> weight sync -> metrics. The driver holds metadata and O
 token batches and trajectories travel from rollout workers to the experts through the object store.
 
 With `cluster.max_staleness=k` the rollouts of steps t+1..t+k are already submitted while step t
-updates: a worker runs its calls in order, so each one is made with the weights published before
-it was submitted, and the publish after step t reaches the workers behind them.
+updates. Each rollout names the versions published when it was submitted, and a worker holds every
+version a rollout in flight may still name, so a publish that reaches a worker first (it comes
+from the weight-sync actor, another caller) never changes the weights of a rollout submitted before.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ray.exceptions import ObjectLostError
 
 from cluster.placement import Placement
 from cluster.recovery import NotSynced, RolloutLost, SnapshotLost, keep_here, settle, survive
+from cluster.reward_pool import RewardActor
 from cluster.rollout import RolloutWorker
 from cluster.runtime import Runtime, get
 from cluster.weight_sync import WeightSyncActor, fingerprint
@@ -27,6 +29,7 @@ from driver import checkpoint
 from driver.credit import advantages
 from driver.metrics import MetricsLog
 from driver.staleness import lags, within
+from driver.trackers import Trackers
 from experts.actor import ExpertActor, StaleExpert
 from experts.seeding import derive_seed
 from tasks.reward import total_reward
@@ -70,7 +73,10 @@ class DriverActor:
         self.experts = {e: self.runtime.spawn(expert_cls, config, e, name=f"expert/{e}",
                                               **self.options(f"expert/{e}", config.expert(e).resources))
                         for e in self.expert_ids}
-        self.workers = [self.runtime.spawn(RolloutWorker, config, j, name=f"rollout/{j}",
+        self.rewarders = [self.runtime.spawn(RewardActor, config, k, name=f"reward/{k}",
+                                             **self.options(f"reward/{k}", config.reward.resources))
+                          for k in range(config.reward.actors)]
+        self.workers = [self.runtime.spawn(RolloutWorker, config, j, self.rewarders or None, name=f"rollout/{j}",
                                            **self.options(f"rollout/{j}", config.cluster.rollout_resources))
                         for j in range(config.cluster.rollout_workers)]
         collective = config.cluster.sync == "collective" and config.cluster.mode == "ray"
@@ -91,6 +97,7 @@ class DriverActor:
         self.versions = {e: info["version"] for e, info in get({e: s[2] for e, s in self.snapshots.items()}).items()}
         self.published: dict[str, tuple] = {}  # expert -> (version, weights ref, fingerprint) every worker holds
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_before=self.start_step)
+        self.trackers = Trackers(config, self.run_dir, self.start_step)
         self.publish(self.expert_ids)
         if resume:
             self.resubmit_in_flight(checkpoint.load_in_flight(Path(resume)))
@@ -149,7 +156,8 @@ class DriverActor:
         """Every worker's share of `step`'s samples, made with the weights published so far."""
         items = self.make_items(step)
         shards = [list(s) for s in np.array_split(np.array(items, dtype=object), len(self.workers))]
-        outs = [w.rollout.options(num_returns=3).remote(step, s) for w, s in zip(self.workers, shards)]
+        versions = {e: w[0] for e, w in self.published.items()}
+        outs = [w.rollout.options(num_returns=3).remote(step, s, versions) for w, s in zip(self.workers, shards)]
         self.in_flight[step] = Rollout(items, shards, outs, dict(self.published))
 
     def submit_under(self, step: int, weights: dict[str, tuple]) -> None:
@@ -186,7 +194,8 @@ class DriverActor:
             def attempt(first, worker=worker, j=j):
                 if not first:
                     settle(rollout.outs[j][1:])
-                    rollout.outs[j] = worker.rollout.options(num_returns=3).remote(step, rollout.shards[j])
+                    rollout.outs[j] = worker.rollout.options(num_returns=3).remote(
+                        step, rollout.shards[j], {e: w[0] for e, w in rollout.weights.items()})
                 return get(rollout.outs[j][0])
 
             def reload(worker=worker):
@@ -272,11 +281,21 @@ class DriverActor:
         row.update({f"staleness/{e}": int(v.max()) for e, v in lag.items()})
         row["staleness/dropped_samples"] = int((rewarded & ~valid).sum())
         row["sync/via"] = sync["via"]  # collective, object_store (also a collective run's fallback), None
+        if "images" in metas[0]:
+            self.log_samples(step, rollout.items, metas, total_reward(terms, self.config.reward.weights), valid)
         rollout_s = max(m["busy_s"] for m in metas)  # the slowest worker's share
         step_s = time.perf_counter() - start
         row.update({"time/rollout_s": rollout_s, "time/update_s": t_sync - t_update, "time/sync_s": sync["sync_s"],
                     "time/idle_s": max(0.0, step_s - rollout_s), "time/step_s": step_s})
         return row
+
+    def log_samples(self, step: int, items: list[dict], metas: list[dict], total: np.ndarray, valid: np.ndarray):
+        """The step's first `logging.images_per_log` samples, with their prompts and rewards."""
+        n = self.config.logging.images_per_log
+        refinements = [r for m in metas for r in m["refinements"]][:n]
+        self.trackers.samples(step, np.concatenate([m["images"] for m in metas])[:n],
+                              [it["prompt"].text for it in items[:n]], refinements,
+                              [float(t) if v else None for t, v in zip(total[:n], valid[:n])])
 
     def metrics_row(self, step, terms, counterfactual, refined, valid, metas, stats) -> dict:
         """Rewards are means over the valid samples (None in a step without any)."""
@@ -321,13 +340,17 @@ class DriverActor:
     def run(self, on_row=None) -> dict:
         every = self.config.trainer.checkpoint_every
         steps = self.config.trainer.steps
-        for step in range(self.start_step, steps):
-            row = self.train_step(step)
-            self.metrics.append(row)
-            if on_row:
-                on_row(row)
-            if (every and (step + 1) % every == 0) or step + 1 == steps:
-                self.save_checkpoint(step + 1)
+        try:
+            for step in range(self.start_step, steps):
+                row = self.train_step(step)
+                self.metrics.append(row)
+                self.trackers.log(row)
+                if on_row:
+                    on_row(row)
+                if (every and (step + 1) % every == 0) or step + 1 == steps:
+                    self.save_checkpoint(step + 1)
+        finally:
+            self.trackers.close()
         return {"run_dir": str(self.run_dir), "steps": steps, "last": self.metrics.rows[-1]}
 
     def poll(self, since: int) -> list[dict]:
@@ -347,7 +370,7 @@ class DriverActor:
         """Stop this run's actors and give back its placement groups (they would outlive the driver)."""
         if self.config.cluster.mode == "inline":
             return
-        for handle in [*self.experts.values(), *self.workers, self.sync]:
+        for handle in [*self.experts.values(), *self.workers, *self.rewarders, self.sync]:
             ray.kill(handle, no_restart=True)
         if self.placement:
             self.placement.release()

@@ -17,6 +17,7 @@ from cluster.weight_sync import fingerprint
 from experts.build import build_model
 from experts.text_encoder import pad_features
 from experts.updates import generator_loss, refiner_loss
+from experts.weights import load, model_tensors, reference_of, synced_state, to_arrays, travel_form
 
 
 def _tensor(x) -> torch.Tensor:
@@ -48,23 +49,22 @@ class ExpertActor(BroadcastMember):
         self.expert_id, self.config = expert_id, config
         self.spec = config.expert(expert_id)
         self.model = build_model(config, expert_id)
-        self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr)
+        self.reference = reference_of(self.model)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.spec.lr)
         self.version = 0
         self.last_step, self.last_stats = -1, {}
 
     def weights(self) -> dict[str, np.ndarray]:
-        """The weights as numpy arrays. In a Ray actor they are views: Ray copies them into the
-        object store as the method returns, once. In-process (inline) they are copied here, or a
-        later update would change a snapshot already taken."""
-        views = {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
-        return views if in_ray_actor() else {k: v.copy() for k, v in views.items()}
+        """This version's weights as numpy arrays (experts/weights.py). In a Ray actor they are views:
+        Ray copies them into the object store as the method returns, once. In-process (inline) they
+        are copied here, or a later update would change a snapshot already taken."""
+        return to_arrays(self.model, private=not in_ray_actor())
 
     def send_weights(self, version: int) -> None:
         """Broadcast this expert's weights, at `version`, into every rollout worker (`cluster.sync=collective`)."""
         if version != self.version:
             raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to send version {version}")
-        self.broadcast_group.send(self.expert_id, self.model.state_dict())
+        self.broadcast_group.send(self.expert_id, travel_form(synced_state(self.model)))
 
     def node(self) -> str | None:
         """The Ray node this expert runs on now (it may move when Ray restarts it)."""
@@ -86,7 +86,7 @@ class ExpertActor(BroadcastMember):
     def restore(self, weights: dict, optimizer: dict | None, info: dict) -> dict:
         """Back to a snapshot or checkpoint: weights, optimizer moments, version and last applied
         step. The frozen reference is rebuilt from the config, as it was at the start."""
-        self.model.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in weights.items()})
+        load(self.model, model_tensors(self.model, weights))
         if optimizer is not None:
             self.optimizer.load_state_dict(optimizer)
         self.version, self.last_step, self.last_stats = info["version"], info["last_step"], {}
@@ -114,7 +114,8 @@ class ExpertActor(BroadcastMember):
             raise FloatingPointError(f"{self.expert_id}: non-finite loss at step {step}; update not applied")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.algorithm.grad_clip)
+        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                       self.config.algorithm.grad_clip)
         self.optimizer.step()
         self.version += 1
         self.last_step = step

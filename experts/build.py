@@ -8,6 +8,7 @@ from experts.dit import TinyDiT
 from experts.refiner_lm import TinyCausalLM
 from experts.seeding import derive_seed
 from experts.text_encoder import TextEncoder
+from experts.weights import load, model_tensors
 from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
 
 
@@ -32,6 +33,9 @@ def fresh_model(config, expert_id: str) -> torch.nn.Module:
         return TinyDiT(config.task.image_size, 3, m.patch, m.d_model, m.n_layers, m.n_heads,
                        config.experts.text_encoder.d_model)
     m = spec.model
+    if m.kind == "hf_causal_lm":
+        from experts.hf_refiner import HFRefiner
+        return HFRefiner(spec, derive_seed(config.trainer.seed, "init", expert_id))
     return TinyCausalLM(len(VOCAB), m.d_model, m.n_layers, m.n_heads,
                         MAX_PROMPT_WORDS + 2 + spec.max_new_tokens, spec.max_new_tokens, spec.temperature)
 
@@ -40,6 +44,6 @@ def load_init_weights(model: torch.nn.Module, path: str, expert_id: str) -> None
     """Start from the weights in an expert file (`checkpoints/step_N/<expert>.safetensors` or a
     pretrained base's), never through pickle."""
     try:
-        model.load_state_dict(state_file.read_weights(path))
+        load(model, model_tensors(model, state_file.read_weights(path)))
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"experts.{expert_id}.init: cannot load weights from '{path}': {e}") from None

@@ -1,8 +1,9 @@
 """A tiny causal-transformer refiner LM over the task's word vocabulary.
 
-The refiner interface the driver relies on is two methods, so a Hugging Face causal LM can stand
-behind it later: `sample` (tokens and their log-probs under the sampling temperature) and
-`token_logprobs` (the same log-probs recomputed with gradients, for the update).
+The refiner interface the driver relies on, which a Hugging Face causal LM also offers
+(experts/hf_refiner.py): `prompt_ids` (a prompt as the model's context), `sample` (tokens and their
+log-probs under the sampling temperature), `token_logprobs` (the same log-probs recomputed with
+gradients, for the update) and `refinement` (what the tokens contribute to the prompt).
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from experts.layers import Block, causal_mask
-from tasks.shapes import BOS, EOS, PAD, SEP
+from tasks.reward import Refinement
+from tasks.shapes import BOS, EOS, PAD, SEP, Prompt, decode_ids
 
 
 def left_pad(seqs: list[list[int]]) -> torch.Tensor:
@@ -71,8 +73,16 @@ class TinyCausalLM(nn.Module):
             seq = torch.cat([seq, tok[:, None]], 1)
         return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(mask, 1)
 
-    def token_logprobs(self, prompts: list[list[int]], tokens: torch.Tensor) -> torch.Tensor:
-        """Log-probs (B, M) of the sampled `tokens` given their prompts, with gradients."""
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        return list(prompt.ids)
+
+    def refinement(self, tokens: list[int], mask: list[bool]) -> Refinement:
+        """The words of the tokens before the end, and whether the model ended them itself."""
+        return Refinement(tuple(decode_ids(t for t in tokens if t not in (PAD, EOS))), EOS in tokens)
+
+    def token_logprobs(self, prompts: list[list[int]], tokens: torch.Tensor, mask=None) -> torch.Tensor:
+        """Log-probs (B, M) of the sampled `tokens` given their prompts, with gradients (after the
+        end, PAD tokens mark what `mask` says, and score 0)."""
         ctx = self.context(prompts)
         seq = torch.cat([ctx, tokens], 1)
         lp = self.logprobs(seq)[:, ctx.shape[1] - 1:-1]

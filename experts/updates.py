@@ -21,9 +21,9 @@ def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: fl
     """Per token PPO-clip(r, A) + beta KL3 with r = exp(logp - logp_rollout), averaged over all valid
     tokens. On-policy (`cluster.max_staleness=0`) r = 1 to float rounding, so the gradient is
     SPEC's rho = exp(logp - sg(logp)); samples made by an older version are corrected by r."""
-    logp = policy.token_logprobs(batch["prompts"], batch["tokens"])
+    logp = policy.token_logprobs(batch["prompts"], batch["tokens"], batch["mask"])
     with torch.no_grad():
-        ref_logp = reference.token_logprobs(batch["prompts"], batch["tokens"])
+        ref_logp = reference.token_logprobs(batch["prompts"], batch["tokens"], batch["mask"])
     mask = batch["mask"].float()
     ratio = torch.exp(logp - batch["logps"])
     kl = kl3(logp, ref_logp)

@@ -19,9 +19,11 @@ TERMS = IMAGE_TERMS + TEXT_TERMS
 
 @dataclass(frozen=True)
 class Refinement:
-    """One refiner's output for one sample: its words and whether it stopped by itself."""
+    """One refiner's output for one sample: its words, whether it stopped by itself, and whether it
+    kept to an answer format it was asked for (an HF refiner's `<answer>…</answer>`; None: none asked)."""
     words: tuple[str, ...]
     ended: bool
+    formatted: bool | None = None
 
 
 def fidelity(words: tuple[str, ...], prompt: Prompt) -> float:
@@ -39,15 +41,18 @@ def style(words: tuple[str, ...]) -> float:
 
 
 def format_term(ref: Refinement) -> float:
-    """A well-formed refinement: it stops by itself, repeats no word, and is 2 to 5 words long."""
-    if not ref.words:
+    """A well-formed refinement: it stops by itself, repeats no word, and is 2 to 5 words long;
+    0 if it broke the answer format it was asked for."""
+    if not ref.words or ref.formatted is False:
         return 0.0
     return (float(ref.ended) + float(len(set(ref.words)) == len(ref.words))
             + float(2 <= len(ref.words) <= 5)) / 3
 
 
 def _merge(refs: list[Refinement]) -> Refinement:
-    return Refinement(tuple(w for r in refs for w in r.words), all(r.ended for r in refs) if refs else False)
+    formats = [r.formatted for r in refs if r.formatted is not None]
+    return Refinement(tuple(w for r in refs for w in r.words), all(r.ended for r in refs) if refs else False,
+                      all(formats) if formats else None)
 
 
 def text_scores(prompt: Prompt, refinements: dict[str, Refinement], owners: dict[str, list[str]]) -> dict:

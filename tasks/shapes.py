@@ -51,6 +51,12 @@ def decode_ids(ids) -> list[str]:
     return [VOCAB[i] for i in ids if i not in (PAD, BOS, EOS, SEP)]
 
 
+def known_ids(words, limit: int) -> list[int]:
+    """Ids of the first `limit` of `words` that are in the vocabulary (a refiner of another
+    vocabulary may write words the shapes text encoder cannot read; they are left out)."""
+    return [WORD_TO_ID[w] for w in words if w in WORD_TO_ID and WORD_TO_ID[w] not in (PAD, BOS, EOS, SEP)][:limit]
+
+
 @dataclass(frozen=True)
 class ObjectClause:
     shape: str

@@ -41,3 +41,20 @@ def run_training(config, run_dir, inspect_weights: tuple[str, ...] = ()):
 
 def mean(rows, key):
     return sum(r[key] for r in rows) / len(rows)
+
+
+def training_metrics(rows: list[dict]) -> list[dict]:
+    """What training computes, without what measures the process (timings, faults, the sync path,
+    cache hits): the part of two runs' metrics that must agree."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "faults/", "sync/"))
+             and k != "text_encoder/cache_hit_rate"} for r in rows]
+
+
+def assert_same_training(a: list[dict], b: list[dict], tol: float = 1e-6) -> None:
+    """Two runs' training metrics agree step for step (floats to `tol`: batch splits round apart)."""
+    assert len(a) == len(b)
+    for x, y in zip(training_metrics(a), training_metrics(b)):
+        assert x.keys() == y.keys(), sorted(set(x) ^ set(y))
+        for k in x:
+            same = abs(x[k] - y[k]) <= tol if isinstance(x[k], float) and isinstance(y[k], float) else x[k] == y[k]
+            assert same, (x["step"], k, x[k], y[k])

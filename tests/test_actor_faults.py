@@ -9,7 +9,7 @@ import ray
 
 from cluster.runtime import get
 from driver.launch import start_driver, stop_driver
-from tests.conftest import make_config, run_training
+from tests.conftest import assert_same_training, make_config, run_training
 
 STEPS = 8
 TARGETS = {"expert": "expert/refiner_1", "generator": "expert/generator", "worker": "rollout/1",
@@ -20,10 +20,6 @@ def config(name):
     cfg = make_config(f"trainer.steps={STEPS}", "cluster.rollout_workers=2", preset="shapes-tiny")
     cfg.trainer.run_name = name
     return cfg
-
-
-def comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(("time/", "faults/")) and k != "text_encoder/cache_hit_rate"}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +56,4 @@ def test_killed_actor_is_restored_and_the_run_is_unchanged(kind, reference, tmp_
         assert versions == list(range(1, STEPS + 1)), (e, versions)        # exactly once, monotonic
         assert info["snapshots"][e] == {"version": STEPS, "last_step": STEPS - 1}
     assert info["registry"] == {e: STEPS for e in info["snapshots"]}       # the sync registry is rebuilt
-    assert len(rows) == len(reference)
-    for got, want in zip(rows, reference):
-        got, want = comparable(got), comparable(want)
-        assert got.keys() == want.keys()
-        for k, v in want.items():
-            assert (abs(got[k] - v) <= 1e-6) if isinstance(v, float) else got[k] == v, (got["step"], k)
+    assert_same_training(rows, reference)

@@ -14,7 +14,7 @@ from cluster.runtime import get
 from driver import checkpoint
 from driver.launch import start_driver, stop_driver
 from driver.staleness import lags, within
-from tests.conftest import make_config, run_training
+from tests.conftest import assert_same_training, make_config, run_training
 
 STEPS = 6
 
@@ -22,21 +22,6 @@ STEPS = 6
 def config(*extra, mode="ray", workers=2, staleness=1):
     return make_config(f"trainer.steps={STEPS}", f"cluster.max_staleness={staleness}", f"cluster.mode={mode}",
                        f"cluster.rollout_workers={workers}", *extra, preset="shapes-tiny")
-
-
-def comparable(rows):
-    """What training computes, without what measures the process (timings, faults, cache hits)."""
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "faults/")) and k != "text_encoder/cache_hit_rate"}
-            for r in rows]
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(comparable(a), comparable(b)):
-        assert x.keys() == y.keys()
-        for k in x:
-            same = abs(x[k] - y[k]) <= 1e-6 if isinstance(x[k], float) else x[k] == y[k]
-            assert same, (x["step"], k, x[k], y[k])
 
 
 def read_rows(run_dir):
@@ -64,7 +49,7 @@ def async_ray_run(ray_session, tmp_path_factory):
 def test_async_inline_equals_ray_and_every_sample_lags_one_version(async_ray_run, tmp_path):
     rows, info = async_ray_run
     inline, _, _ = run_training(config(mode="inline", workers=1), tmp_path / "inline")
-    assert_same(inline, rows)
+    assert_same_training(inline, rows)
     for r in rows:
         lag = 0 if r["step"] == 0 else 1  # step 0's rollout was made before any update
         assert all(r[f"staleness/{e}"] == lag for e in ("refiner_0", "refiner_1", "refiner_2", "generator"))
@@ -90,7 +75,7 @@ def test_resume_with_a_rollout_in_flight_equals_the_uninterrupted_run(async_ray_
     assert cli.main(["train", "--config", "shapes-tiny", "--run-dir", str(full), "--set", "cluster.mode=inline",
                      "--set", f"trainer.steps={STEPS}", "--set", "cluster.max_staleness=1",
                      "--set", "trainer.checkpoint_every=2", "--set", "trainer.keep_checkpoints=3"]) == 0
-    assert_same(read_rows(full), reference)
+    assert_same_training(read_rows(full), reference)
     # step 2's rollout was in flight at checkpoint 2, made with every expert's version 1
     manifest = checkpoint.manifest(full / "checkpoints" / "step_000002")
     assert manifest["in_flight"] == {"2": {"refiner_0": 1, "refiner_1": 1, "refiner_2": 1, "generator": 1}}
@@ -101,7 +86,7 @@ def test_resume_with_a_rollout_in_flight_equals_the_uninterrupted_run(async_ray_
     for later in ("step_000004", "step_000006"):
         shutil.rmtree(stopped / "checkpoints" / later)
     assert cli.main(["train", "--resume", str(stopped), "--set", "cluster.mode=ray"]) == 0
-    assert_same(read_rows(stopped), reference)
+    assert_same_training(read_rows(stopped), reference)
 
 
 def test_a_worker_killed_during_an_async_run_changes_nothing(async_ray_run, tmp_path):
@@ -119,5 +104,5 @@ def test_a_worker_killed_during_an_async_run_changes_nothing(async_ray_run, tmp_
     stop_driver(driver)
     rows = read_rows(tmp_path)
     assert rows[-1]["faults/worker_restarts"] + rows[-1]["faults/sync_restarts"] >= 2
-    assert_same(rows, reference)  # redone with the weights it was first made with
+    assert_same_training(rows, reference)  # redone with the weights it was first made with
     assert np.all(np.diff([r["version/generator"] for r in rows]) == 1)

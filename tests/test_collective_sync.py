@@ -13,18 +13,13 @@ from cluster.collective import flatten, layout, unflatten
 from cluster.runtime import get
 from cluster.weight_sync import fingerprint
 from driver.launch import start_driver, stop_driver
-from tests.conftest import make_config, run_training
+from tests.conftest import assert_same_training, make_config, run_training
 
 STEPS = 5
 
 
 def config(*extra):
     return make_config(f"trainer.steps={STEPS}", "cluster.rollout_workers=2", *extra, preset="shapes-tiny")
-
-
-def comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "faults/", "sync/"))
-             and k != "text_encoder/cache_hit_rate"} for r in rows]
 
 
 def test_flat_buffers_round_trip_every_dtype_as_views():
@@ -51,7 +46,7 @@ def object_store_rows(ray_session, tmp_path_factory):
 
 def test_a_collective_run_broadcasts_every_version_and_trains_the_same(object_store_rows, tmp_path):
     rows, info, _ = run_training(config("cluster.sync=collective"), tmp_path)
-    assert comparable(rows) == comparable(object_store_rows)
+    assert_same_training(rows, object_store_rows)
     assert [r["sync/via"] for r in rows] == ["collective"] * STEPS
     assert rows[-1]["faults/sync_fallbacks"] == 0
     assert all(w == {**info["registry"], "text_encoder": 0} for w in info["workers"])
@@ -69,6 +64,6 @@ def test_a_killed_worker_is_synced_through_the_object_store_and_the_group_reform
     get(done)
     stop_driver(driver)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert comparable(rows) == comparable(object_store_rows)
+    assert_same_training(rows, object_store_rows)
     assert rows[-1]["faults/worker_restarts"] + rows[-1]["faults/sync_restarts"] == 1
     assert rows[-1]["sync/via"] == "collective"  # the group was formed again with the new worker

@@ -138,3 +138,20 @@ def test_counterfactual_fraction_bounds_the_extra_generations():
     drawn = sum((~np.isnan(v)).sum() for v in meta["counterfactual"].values())
     n_refined = sum(it["refine"] for it in items)
     assert 0 < drawn < 2 * n_refined
+
+
+def test_a_rollout_is_made_with_the_versions_it_names_even_after_a_newer_one_arrived():
+    """Deliveries come from the weight-sync actor, rollouts from the driver: a publish may reach a
+    worker before a rollout submitted earlier. The rollout still uses the versions it names."""
+    from cluster.recovery import NotSynced
+    worker, experts = _synced_worker()
+    items = _items()
+    before = worker.rollout(0, items)[2]["states"]
+    stats = experts["generator"].update(0, 0, np.ones(len(items)), worker.rollout(0, items)[2])
+    worker.load_weights("generator", stats["version"], experts["generator"].weights())  # overtakes the rollout
+    named = {"refiner_0": 0, "refiner_1": 0, "generator": 0}
+    np.testing.assert_array_equal(worker.rollout(0, items, named)[2]["states"], before)
+    newer = worker.rollout(0, items, {**named, "generator": 1})[2]["states"]
+    assert not np.array_equal(newer, before)
+    with pytest.raises(NotSynced, match="generator"):  # v0 is forgotten once a rollout named v1
+        worker.rollout(0, items, named)

@@ -1,0 +1,64 @@
+"""Pictures of a run, drawn with matplotlib off-screen: curves of metrics over steps, and sheets of
+sample images captioned with their original and refined prompts."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed), imported only when drawing."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def curves(rows: list[dict], keys: list[str], title: str, ylabel: str, path: Path) -> Path | None:
+    """One line per metric in `keys` against the step (steps without the metric are gaps);
+    None, and nothing written, if no row has any of them."""
+    keys = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]
+    if not keys:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for key in keys:
+        steps = [r["step"] for r in rows]
+        values = [r[key] if isinstance(r.get(key), (int, float)) else np.nan for r in rows]
+        ax.plot(steps, values, label=key, marker="o" if len(rows) < 20 else None, markersize=3)
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def sample_sheet(images: np.ndarray, captions: list[str], title: str, path: Path, cols: int = 4) -> Path:
+    """Images (B, H, W, 3) uint8 in a grid, each with its caption (original and refined prompts)
+    underneath, wrapped to the tile's width."""
+    plt = pyplot()
+    rows = -(-len(images) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 4.2 * rows), dpi=100, squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, caption in zip(axes.flat, images, captions):
+        ax.imshow(image, interpolation="nearest")
+        wrapped = "\n".join(textwrap.fill(line, 38) for line in caption.splitlines())
+        ax.text(0.5, -0.03, wrapped, transform=ax.transAxes, ha="center", va="top", fontsize=7, family="monospace")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def caption(prompt: str, refinements: dict[str, str], reward: float | None) -> str:
+    """The original prompt, then each refiner's refinement, then the sample's total reward."""
+    lines = [f"prompt: {prompt}"] + [f"{e}: {text or '-'}" for e, text in refinements.items()]
+    if reward is not None:
+        lines.append(f"reward {reward:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""`jointrl report RUN_DIR`: a run's curves and samples as PNG files in RUN_DIR/report/.
+
+rewards.png (total and every term), experts.png (each refiner's own reward), versions.png (every
+expert's version over steps), timing.png (step, rollout, update, sync and idle seconds),
+staleness.png (each expert's lag, asynchronous runs), losses.png, and samples.png: the latest
+logged samples (`logging.images_every`) with their original and refined prompts, or, if the run
+logged none, one sample per held-out prompt drawn from its latest checkpoint.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from driver.config import ConfigError, run_config
+from driver.metrics import parse
+from driver.plots import caption, curves, sample_sheet
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [r for r in (parse(line) for line in (path.read_text().splitlines() if path.is_file() else [])) if r]
+    if not rows:
+        raise ConfigError(f"report '{run_dir}': no metrics there yet (no rows in {path})")
+    return rows
+
+
+def keys(rows: list[dict], prefix: str, exclude: tuple[str, ...] = ()) -> list[str]:
+    seen = dict.fromkeys(k for r in rows for k in r if k.startswith(prefix) and k not in exclude)
+    return list(seen)
+
+
+def latest_samples(run_dir: Path) -> tuple[np.ndarray, list[str], str] | None:
+    """(images, captions, title) of the newest sheet the run logged, if any."""
+    logged = sorted((Path(run_dir) / "samples").glob("step_*.json"))
+    if not logged:
+        return None
+    meta = json.loads(logged[-1].read_text())
+    images = np.load(logged[-1].with_suffix(".npy"))
+    captions = [caption(p, r, w) for p, r, w in zip(meta["prompts"], meta["refinements"], meta["rewards"])]
+    return images, captions, f"samples at step {meta['step']}"
+
+
+def drawn_samples(run_dir: Path, n: int = 8) -> tuple[np.ndarray, list[str], str]:
+    """One ODE sample per held-out prompt from the latest checkpoint, with its refinements."""
+    import torch
+
+    from cluster.rollout import RolloutWorker
+    from driver import checkpoint
+    from driver.evaluate import held_out_sets
+    from tasks.shapes import to_uint8
+    config = run_config(run_dir, "report")
+    ckpt, weights = checkpoint.latest_weights(run_dir, config.experts.ids())
+    torch.set_num_threads(1)
+    worker = RolloutWorker(config, 0)
+    for eid, state in weights.items():
+        worker.load_weights(eid, checkpoint.step_of(ckpt), state)
+    prompts = held_out_sets(config)["held_out"][::max(1, config.evaluation.per_category)][:n]
+    drawn = worker.draw(prompts, refine=not config.experts.generator_only, tag="report")
+    images = np.stack([to_uint8(im) for im in drawn["images"]])
+    return images, [caption(p.text, r, None) for p, r in zip(prompts, drawn["refinements"])], \
+        f"held-out prompts, {ckpt.name}"
+
+
+def report(run_dir: Path) -> list[Path]:
+    """Write every plot of `run_dir` into RUN_DIR/report/; returns the files written."""
+    run_dir = Path(run_dir)
+    rows = metric_rows(run_dir)
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    refiners = sorted({k.split("/")[1] for k in keys(rows, "version/refiner_")})
+    plots = [
+        curves(rows, ["reward/total", *[k for k in keys(rows, "reward/", ("reward/total",))
+                                        if k.split("/")[1] not in refiners]],
+               "reward: total and every term", "mean reward", out / "rewards.png"),
+        curves(rows, [f"reward/{e}" for e in refiners], "each refiner's own reward (the terms it owns)",
+               "mean reward", out / "experts.png"),
+        curves(rows, keys(rows, "version/"), "versions", "version", out / "versions.png"),
+        curves(rows, ["time/step_s", "time/rollout_s", "time/update_s", "time/sync_s", "time/idle_s"],
+               "time per step", "seconds", out / "timing.png"),
+        curves(rows, keys(rows, "staleness/"), "staleness: versions behind, per expert", "versions", out / "staleness.png"),
+        curves(rows, keys(rows, "loss/"), "losses", "loss", out / "losses.png"),
+    ]
+    images, captions, title = latest_samples(run_dir) or drawn_samples(run_dir)
+    plots.append(sample_sheet(images, captions, title, out / "samples.png"))
+    return [p for p in plots if p is not None]

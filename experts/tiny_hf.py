@@ -1,0 +1,83 @@
+"""Tiny random Hugging Face models, built in-process, for tests and smoke runs without a hub.
+
+`tiny_causal_lm(dir)`: a two-layer Qwen2-style LM with a word-level tokenizer (made with
+`tokenizers`) over the shapes vocabulary, chat tokens and `<answer>`/`</answer>`, and a chat
+template, saved as `AutoModelForCausalLM`/`AutoTokenizer` load it. `tiny_sd3(dir)`: an SD3-style
+flow transformer, VAE, two CLIP text encoders with their tokenizers and a flow-matching scheduler,
+saved in the diffusers layout (`model_index.json` and one folder per component).
+
+    python -m experts.tiny_hf OUT_DIR   # writes OUT_DIR/qwen2 and OUT_DIR/sd3
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from tasks.shapes import VOCAB
+
+CHAT_TOKENS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "<answer>", "</answer>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def word_tokenizer(extra: list[str], max_length: int | None = None):
+    """A whitespace word-level fast tokenizer over `extra` then the shapes words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = list(dict.fromkeys([*extra, *[w for w in VOCAB if not w.startswith("<")]]))
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                                   model_max_length=max_length or 512)
+
+
+def tiny_causal_lm(out: Path, seed: int = 0) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tokenizer = word_tokenizer(CHAT_TOKENS)
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return Path(out)
+
+
+def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16) -> Path:
+    """An SD3-style pipeline whose VAE halves the resolution: `sample_size` latents make images of
+    twice that side."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    out = Path(out)
+    torch.manual_seed(seed)
+    SD3Transformer2DModel(sample_size=sample_size, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                          num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
+                          pooled_projection_dim=64, out_channels=4, pos_embed_max_size=64,
+                          ).save_pretrained(out / "transformer")
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                  latent_channels=4, norm_num_groups=4, sample_size=2 * sample_size, shift_factor=0.06,
+                  scaling_factor=1.5).save_pretrained(out / "vae")
+    for name in ("text_encoder", "text_encoder_2"):
+        tokenizer = word_tokenizer(["<pad>", "<unk>", "<|startoftext|>", "<|endoftext|>"], max_length=16)
+        tokenizer.bos_token, tokenizer.eos_token = "<|startoftext|>", "<|endoftext|>"
+        CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=16, projection_dim=32, hidden_act="gelu",
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id)).save_pretrained(out / name)
+        tokenizer.save_pretrained(out / name.replace("text_encoder", "tokenizer"))
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(out / "scheduler")
+    (out / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}\n')
+    return out
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/tiny-hf")
+    print(tiny_causal_lm(root / "qwen2"), tiny_sd3(root / "sd3"))

@@ -1,0 +1,84 @@
+"""An expert's weights in the form they travel in and are stored in.
+
+A version is the tensors `synced_state` names: a LoRA adapter's alone (the base never changes),
+else every weight. They travel as {name: numpy array}, which the object store hands out zero-copy,
+and are fingerprinted and checkpointed in that form. numpy has no bfloat16, so a bfloat16 tensor
+travels as its raw 16-bit words (`travel_form`) and is viewed back as bfloat16 by the receiving
+model, which knows its own dtypes (`model_tensors`).
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+from cluster.weight_sync import as_tensor
+
+
+def synced_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a new version of `model` consists of."""
+    return model.synced_state() if hasattr(model, "synced_state") else model.state_dict()
+
+
+def is_lora(model) -> bool:
+    return bool(getattr(model, "lora", False))
+
+
+def travel_form(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as they travel: bfloat16 viewed as int16 words (no copy), the rest as they are."""
+    return {k: (v.detach().view(torch.int16) if v.dtype == torch.bfloat16 else v.detach()) for k, v in tensors.items()}
+
+
+def to_arrays(model: torch.nn.Module, private: bool = False) -> dict[str, np.ndarray]:
+    """The model's version as numpy arrays: views of its tensors on the CPU (Ray copies them into
+    the object store as an actor method returns), private copies if `private` (in-process, where a
+    later update would change a snapshot already taken)."""
+    arrays = {k: v.cpu().numpy() for k, v in travel_form(synced_state(model)).items()}
+    return {k: v.copy() for k, v in arrays.items()} if private else arrays
+
+
+def model_tensors(model: torch.nn.Module, weights: dict, share: bool = False) -> dict[str, torch.Tensor]:
+    """Travelled `weights` as the tensors `model` holds (its dtypes and device). `share`: read them
+    in place (read-only views) where they already are what the model needs, else copies."""
+    own = synced_state(model)
+    unknown = sorted(set(weights) - set(own))
+    if unknown:
+        raise ValueError(f"weights for {unknown[:3]}{'…' if len(unknown) > 3 else ''}, which the model does not have")
+    out = {}
+    for name, value in weights.items():
+        tensor = as_tensor(value) if share else as_tensor(value).clone()
+        if own[name].dtype == torch.bfloat16 and tensor.dtype == torch.int16:
+            tensor = tensor.view(torch.bfloat16)
+        out[name] = tensor.to(own[name].device)
+    return out
+
+
+def load(model: torch.nn.Module, tensors: dict[str, torch.Tensor], assign: bool = False) -> None:
+    """Make `tensors` (a whole version) the model's: assigned in place of its own (`assign`, for
+    inference copies that read shared weights) or copied into them."""
+    missing = sorted(set(synced_state(model)) - set(tensors))
+    if missing:
+        raise ValueError(f"a version without {missing[:3]}{'…' if len(missing) > 3 else ''}")
+    model.load_state_dict(tensors, strict=not is_lora(model), assign=assign)
+
+
+class AdapterOff:
+    """The frozen reference of a LoRA model: the model itself with its adapter disabled."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def token_logprobs(self, *args):
+        with torch.no_grad(), self.model.adapter_disabled():
+            return self.model.token_logprobs(*args)
+
+    def __call__(self, *args, **kwargs):
+        with torch.no_grad(), self.model.adapter_disabled():
+            return self.model(*args, **kwargs)
+
+
+def reference_of(model: torch.nn.Module):
+    """The frozen reference the KL is taken against: the base under a LoRA adapter (no second
+    copy of the weights), else a frozen copy of the model as it starts."""
+    return AdapterOff(model) if is_lora(model) else copy.deepcopy(model).requires_grad_(False).eval()
