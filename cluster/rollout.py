@@ -1,4 +1,5 @@
-"""`RolloutWorker`: inference copies of every expert plus the frozen text encoder.
+"""`RolloutWorker`: inference copies of every expert plus the generator's frozen front end (text
+encoding, latent space, decoding: experts/frontend.py).
 
 `rollout` runs refine -> compose -> encode -> generate (SDE, log-probs recorded) -> reward for its
 share of a step's samples. It returns three objects: small metadata for the driver, the refiners'
@@ -17,13 +18,14 @@ from cluster.recovery import NotSynced, this_node
 from cluster.reward_pool import PooledReward
 from cluster.weight_sync import CorruptWeights, fingerprint
 from experts.build import build_model
-from experts.flow_sde import sample
+from experts.devices import actor_device
+from experts.flow_sde import sample, sde_steps
+from experts.frontend import build_frontend
 from experts.seeding import generator
 from experts.weights import load, model_tensors, synced_state, travel_form
-from experts.text_encoder import CachedEncoder
 from tasks.reward import Refinement, total_reward
 from tasks.reward_guard import GuardedReward, resolve
-from tasks.shapes import BOS, SEP, known_ids, strict_correct, to_uint8
+from tasks.shapes import strict_correct, to_uint8
 
 
 def as_text(refinements: list[dict[str, Refinement]]) -> list[dict[str, str]]:
@@ -36,10 +38,13 @@ class RolloutWorker(BroadcastMember):
         torch.set_num_threads(1)
         self.config, self.index = config, index
         self.refiner_ids = config.experts.ids()[:-1]
-        self.models = {eid: build_model(config, eid).eval() for eid in config.experts.ids()}
+        self.device = actor_device(config.cluster.rollout_resources)
+        self.models = {eid: build_model(config, eid).eval().to(self.device) for eid in config.experts.ids()}
         self.versions = {eid: None for eid in self.models}
         self.held: dict[str, dict[int, dict]] = {eid: {} for eid in self.models}  # expert -> version -> tensors
-        self.encoder = CachedEncoder(build_model(config, "text_encoder"), version=0)
+        self.frontend = build_frontend(config, self.device)
+        steps = config.experts.generator.sample_steps
+        self.sigmas, self.sde = self.frontend.sigmas(steps), sde_steps(steps, config.experts.generator.sde_window)
         self.owners = config.owners()
         score = PooledReward(reward_actors, index, config.cluster.max_restarts) if reward_actors \
             else resolve(config.reward.fn)
@@ -89,7 +94,7 @@ class RolloutWorker(BroadcastMember):
         return this_node()
 
     def version_vector(self) -> dict:
-        return {**self.versions, "text_encoder": self.encoder.version}
+        return {**self.versions, "text_encoder": self.frontend.version}
 
     def rollout(self, step: int, items: list[dict], versions: dict[str, int] | None = None):
         """`items`: {"sample", "prompt", "refine"} per sample, in the driver's global order, made
@@ -99,23 +104,23 @@ class RolloutWorker(BroadcastMember):
         start = time.perf_counter()
         refinements, refiner_batch = self.refine(step, items)
         noise = self.noise(step, items)
-        text, text_pad = self.encoder(self.compose(items, refinements))
-        states, logps = sample(self.models["generator"], text, text_pad, noise,
-                               self.config.experts.generator.noise_level, sde=True)
+        cond = self.frontend.condition([it["prompt"] for it in items], refinements)
+        states, logps = self.generate(cond, noise, sde=True)
         self.faults = {}
-        images = states[:, -1]
+        images = self.frontend.decode(states[:, -1])
         terms, valid = self.reward(images, items, refinements)
         counterfactual = self.counterfactual(step, items, refinements, noise)
-        hits, misses = self.encoder.take_stats()
+        hits, misses = self.frontend.take_stats()
         versions = self.version_vector()
         meta = {"sample": [it["sample"] for it in items], "terms": terms, "versions": [versions] * len(items),
                 "counterfactual": counterfactual, "valid": {"valid": valid}, "faults": self.faults,
                 "refinements": as_text(refinements),
                 "cache_hits": hits, "cache_misses": misses, "busy_s": time.perf_counter() - start}
         if self.shows_images(step):
-            meta["images"] = np.stack([to_uint8(im) for im in images.clamp(-1, 1).numpy()])
-        trajectories = {"states": states.numpy(), "logps": logps.numpy(), "text": text.numpy(),
-                        "text_pad": text_pad.numpy()}
+            meta["images"] = np.stack([to_uint8(im) for im in images.clamp(-1, 1).cpu().numpy()])
+        trajectories = {"states": states.cpu().numpy(), "logps": logps.cpu().numpy(),
+                        "cond": {k: v.cpu().numpy() for k, v in cond.items()},
+                        "sigmas": self.sigmas.numpy(), "sde": self.sde.numpy()}
         return meta, refiner_batch, trajectories
 
     def shows_images(self, step: int) -> bool:
@@ -128,10 +133,17 @@ class RolloutWorker(BroadcastMember):
         `tag` and the prompt's position: {"images", "refinements"}."""
         items = [{"sample": i, "prompt": p, "refine": refine} for i, p in enumerate(prompts)]
         refinements, _ = self.refine(tag, items)
-        text, text_pad = self.encoder(self.compose(items, refinements))
-        states, _ = sample(self.models["generator"], text, text_pad, self.noise(tag, items),
-                           self.config.experts.generator.noise_level, sde=False)
-        return {"images": states[:, -1].clamp(-1, 1).numpy(), "refinements": as_text(refinements)}
+        cond = self.frontend.condition(prompts, refinements)
+        states, _ = self.generate(cond, self.noise(tag, items), sde=False)
+        return {"images": self.frontend.decode(states[:, -1]).cpu().numpy(), "refinements": as_text(refinements)}
+
+    def generate(self, cond: dict, noise: torch.Tensor, sde: bool):
+        """The generator's trajectories from `noise` under `cond`: SDE on `generator.sde_window`'s
+        steps (all of them by default) if `sde`, else an ODE all the way (evaluation, sampling)."""
+        generator = self.models["generator"]
+        window = self.sde if sde else torch.zeros_like(self.sde)
+        return sample(lambda x, sigma: generator(x, sigma, **cond), noise.to(self.device), self.sigmas,
+                      self.config.experts.generator.noise_level, window)
 
     def evaluate(self, prompts: list, refine: bool) -> dict:
         """Strict correctness of one ODE sample per prompt, with the images and refinements."""
@@ -153,7 +165,7 @@ class RolloutWorker(BroadcastMember):
             prompts = [model.prompt_ids(items[i]["prompt"]) for i in refined]
             uniforms = torch.stack([torch.rand(model.max_new_tokens, generator=generator(
                 seed, "tokens", step, items[i]["sample"], eid)) for i in refined])
-            tokens, logps, mask = model.sample(prompts, uniforms)
+            tokens, logps, mask = (t.cpu() for t in model.sample(prompts, uniforms.to(self.device)))
             for row, i in enumerate(refined):
                 refinements[i][eid] = model.refinement(tokens[row].tolist(), mask[row].tolist())
             refiner_batch[eid] = {"prompts": prompts, "tokens": tokens.numpy(), "logps": logps.numpy(),
@@ -161,21 +173,14 @@ class RolloutWorker(BroadcastMember):
         return refinements, refiner_batch
 
     def noise(self, step, items: list[dict]) -> torch.Tensor:
-        """Every Gaussian draw of each sample's trajectory (B, T+1, C, H, W), seeded per sample."""
-        steps, size = self.config.experts.generator.sample_steps, self.config.task.image_size
-        return torch.stack([torch.randn((steps + 1, 3, size, size), generator=generator(
+        """Every Gaussian draw of each sample's trajectory (B, T+1, *latent), seeded per sample."""
+        steps = self.config.experts.generator.sample_steps
+        return torch.stack([torch.randn((steps + 1, *self.frontend.latent_shape), generator=generator(
             self.config.trainer.seed, "noise", step, it["sample"])) for it in items])
-
-    def compose(self, items: list[dict], refinements: list[dict], drop: str | None = None) -> list[tuple]:
-        """The text encoder's input: <bos> prompt, then <sep> y_k for each refiner (except `drop`),
-        each refinement's words in the encoder's vocabulary (others cannot be read by it)."""
-        return [(BOS, *it["prompt"].ids, *[t for e in self.refiner_ids if e in refs and e != drop
-                                           for t in (SEP, *known_ids(refs[e].words, self.config.expert(e).max_new_tokens))])
-                for it, refs in zip(items, refinements)]
 
     def reward(self, images: torch.Tensor, items: list[dict], refinements: list[dict]):
         """(named terms, valid per sample); faults are counted into `self.faults`."""
-        terms, valid, faults = self.guarded_reward(images.clamp(-1, 1).numpy(), [it["prompt"] for it in items],
+        terms, valid, faults = self.guarded_reward(images.clamp(-1, 1).cpu().numpy(), [it["prompt"] for it in items],
                                                    refinements, self.owners)
         for kind, n in faults.items():
             self.faults[kind] = self.faults.get(kind, 0) + n
@@ -195,11 +200,10 @@ class RolloutWorker(BroadcastMember):
             values = np.full(len(items), np.nan)
             if rows:
                 sub = [items[i] for i in rows]
-                text, pad = self.encoder(self.compose(sub, [refinements[i] for i in rows], drop=eid))
-                states, _ = sample(self.models["generator"], text, pad, noise[rows],
-                                   self.config.experts.generator.noise_level, sde=True)
+                cond = self.frontend.condition([it["prompt"] for it in sub], [refinements[i] for i in rows], drop=eid)
+                states, _ = self.generate(cond, noise[rows], sde=True)
                 without = [{e: r for e, r in refinements[i].items() if e != eid} for i in rows]
-                terms, valid = self.reward(states[:, -1], sub, without)
+                terms, valid = self.reward(self.frontend.decode(states[:, -1]), sub, without)
                 values[rows] = np.where(valid, total_reward(terms, self.config.reward.weights), np.nan)
             out[eid] = values
         return out

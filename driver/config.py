@@ -70,7 +70,7 @@ class LoraConfig(Strict):
     r: PositiveInt = 8
     alpha: PositiveFloat = 16.0
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    target_modules: list[str] | None = None   # None: the attention projections of the model's kind
 
 
 def _model_path(path: str) -> str:
@@ -128,6 +128,17 @@ class TinyDiTConfig(Strict):
     patch: PositiveInt = 4
 
 
+class DiffusersFlowConfig(Strict):
+    """A diffusers flow-matching model, SD3 family (transformer, CLIP/T5 text encoders, VAE, a
+    FlowMatchEulerDiscreteScheduler with shift); images are task.image_size on a side."""
+    kind: Annotated[Literal["diffusers_flow"], AfterValidator(_installed("diffusers", "transformers", "peft"))]
+    path: Annotated[str, AfterValidator(_model_path)]
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    guidance_scale: float = Field(1.0, ge=1.0)  # > 1: classifier-free guidance against the empty prompt
+    max_sequence_length: PositiveInt = 256    # T5 tokens (a model without T5 pads with zeros)
+    lora: LoraConfig | None = None
+
+
 class GeneratorConfig(Strict):
     train: bool = True                        # false: prompt-only mode, the generator stays at version 0
     owns: list[str] | None = None             # terms it learns from under per_expert/counterfactual; None: all
@@ -137,9 +148,18 @@ class GeneratorConfig(Strict):
     clip_eps: PositiveFloat = 1e-4
     noise_level: PositiveFloat = 0.7
     sample_steps: PositiveInt = 8
+    sde_window: list[NonNegativeInt] | None = None  # [start, end): SDE (and training) on these sampling
+                                              # steps only, ODE elsewhere (Flow-GRPO-Fast); None: all
     init: InitPath = None                     # a checkpoint to start from (pretrained base)
     resources: Resources = Resources()
-    model: TinyDiTConfig = TinyDiTConfig()
+    model: Annotated[TinyDiTConfig | DiffusersFlowConfig, Field(discriminator="kind")] = TinyDiTConfig()
+
+    @model_validator(mode="after")
+    def _window(self):
+        w = self.sde_window
+        if w is not None and (len(w) != 2 or not w[0] < w[1] <= self.sample_steps):
+            raise ValueError(f"sde_window {w} must be [start, end) with start < end <= sample_steps ({self.sample_steps})")
+        return self
 
 
 class TextEncoderConfig(Strict):
@@ -326,7 +346,7 @@ class Config(Strict):
         bad = [t for t in self.experts.generator.owns or [] if t not in self.reward.weights]
         if bad:
             raise ValueError(f"experts.generator.owns names {bad}, not a reward term ({sorted(self.reward.weights)})")
-        if self.task.image_size % self.experts.generator.model.patch:
+        if self.experts.generator.model.kind == "tiny_dit" and self.task.image_size % self.experts.generator.model.patch:
             raise ValueError("task.image_size must be a multiple of experts.generator.model.patch")
         return self
 
@@ -354,6 +374,23 @@ PRESETS: dict[str, dict] = {
         "algorithm": {"group_size": 4, "num_skip_refinement": 1},
         "trainer": {"steps": 3, "prompts_per_step": 2},
         "experts": {"generator": {"sample_steps": 4}},
+    },
+    "gpu": {  # one GPU (bench/gpu_smoke.sh): Qwen2.5-0.5B-Instruct refiners and SD3.5-medium, LoRA, bf16,
+              # with Flow-GRPO's SD3.5 settings (10 steps, guidance 4.5, clip 1e-4, LoRA r=32 at lr 3e-4)
+        "experts": {
+            "n_refiners": 2,
+            "refiners": [{"model": {"kind": "hf_causal_lm", "path": "Qwen/Qwen2.5-0.5B-Instruct", "dtype": "bfloat16",
+                                    "lora": {"r": 16, "alpha": 32}},
+                          "max_new_tokens": 48, "lr": 1e-5, "resources": {"num_gpus": 0.1}} for _ in range(2)],
+            "generator": {"model": {"kind": "diffusers_flow", "path": "stabilityai/stable-diffusion-3.5-medium",
+                                    "dtype": "bfloat16", "guidance_scale": 4.5, "lora": {"r": 32, "alpha": 64}},
+                          "sample_steps": 10, "sde_window": [0, 4], "lr": 3e-4, "clip_eps": 1e-4, "kl_beta": 0.04,
+                          "resources": {"num_gpus": 0.3}},
+        },
+        "cluster": {"rollout_workers": 1, "rollout_resources": {"num_gpus": 0.5}},
+        "task": {"image_size": 512},
+        "trainer": {"prompts_per_step": 2},
+        "algorithm": {"group_size": 4, "num_skip_refinement": 1},
     },
     "shapes-cluster": {  # deploy/: every expert and rollout worker reserves a CPU, spread over the nodes
         "experts": {**{f"refiner_{i}": {"resources": {"num_cpus": 1}} for i in range(3)},

@@ -17,9 +17,20 @@ from driver.images import grid, write_png
 from tasks.shapes import Prompt, encode_words
 
 
-def user_prompt(text: str) -> Prompt:
-    """A user's prompt as the models read it (it has no clauses: nothing scores it)."""
-    words = text.lower().split()
+def reads_word_ids(config) -> bool:
+    """Whether a model of the run reads prompts as shapes word ids (the tiny LM or tiny DiT's encoder)."""
+    kinds = [r.model.kind for r in config.experts.active_refiners().values()] + [config.experts.generator.model.kind]
+    return any(k in ("tiny_lm", "tiny_dit") for k in kinds)
+
+
+def user_prompt(text: str, config) -> Prompt:
+    """A user's prompt as the models read it (it has no clauses: nothing scores it). Models of the
+    shapes vocabulary need its words; Hugging Face and diffusers models read any text."""
+    words = text.lower().split() if reads_word_ids(config) else text.split()
+    if not reads_word_ids(config):
+        if not words:
+            raise ConfigError(f"--prompt {text!r}: an empty prompt. Nothing was drawn.")
+        return Prompt(" ".join(words), "user", (), None, ())
     try:
         ids = encode_words(words)
     except ValueError as e:
@@ -30,8 +41,8 @@ def user_prompt(text: str) -> Prompt:
 def sample_run(run_dir: Path, text: str, n: int = 4, seed: int = 0, out: Path | None = None) -> dict:
     """`n` images of `text` from the latest checkpoint of `run_dir`, written as one PNG grid;
     returns {"png", "checkpoint", "refinements" (one dict per image, refiner id -> words)}."""
-    prompt = user_prompt(text)
     config = run_config(run_dir, "--run")
+    prompt = user_prompt(text, config)
     ckpt, weights = checkpoint.latest_weights(run_dir, config.experts.ids())
     torch.set_num_threads(1)
     worker = RolloutWorker(config, 0)

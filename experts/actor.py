@@ -15,7 +15,7 @@ from cluster.collective import BroadcastMember
 from cluster.recovery import in_ray_actor, this_node
 from cluster.weight_sync import fingerprint
 from experts.build import build_model
-from experts.text_encoder import pad_features
+from experts.devices import actor_device, to_device
 from experts.updates import generator_loss, refiner_loss
 from experts.weights import load, model_tensors, reference_of, synced_state, to_arrays, travel_form
 
@@ -31,12 +31,13 @@ def merge_refiner_batches(expert_id: str, shards: list[dict]) -> dict:
             **{k: torch.cat([_tensor(s[k]) for s in parts]) for k in ("tokens", "logps", "mask")}}
 
 
-def merge_generator_batches(shards: list[dict]) -> dict:
-    """All trajectories from every rollout shard, text features re-padded to a common length."""
-    feats = [_tensor(t)[~_tensor(p)] for s in shards for t, p in zip(s["text"], s["text_pad"])]
-    text, pad = pad_features(feats)
+def merge_generator_batches(model, shards: list[dict]) -> dict:
+    """All trajectories from every rollout shard, their conditioning joined as the model needs it
+    (the tiny DiT re-pads its text features to a common length)."""
     return {"states": torch.cat([_tensor(s["states"]) for s in shards]),
-            "logps": torch.cat([_tensor(s["logps"]) for s in shards]), "text": text, "text_pad": pad}
+            "logps": torch.cat([_tensor(s["logps"]) for s in shards]),
+            "cond": model.merge_conditions([{k: _tensor(v) for k, v in s["cond"].items()} for s in shards]),
+            "sigmas": _tensor(shards[0]["sigmas"]), "sde": _tensor(shards[0]["sde"])}
 
 
 class StaleExpert(RuntimeError):
@@ -48,7 +49,8 @@ class ExpertActor(BroadcastMember):
         torch.set_num_threads(1)
         self.expert_id, self.config = expert_id, config
         self.spec = config.expert(expert_id)
-        self.model = build_model(config, expert_id)
+        self.device = actor_device(self.spec.resources)
+        self.model = build_model(config, expert_id).to(self.device)
         self.reference = reference_of(self.model)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.spec.lr)
         self.version = 0
@@ -100,14 +102,14 @@ class ExpertActor(BroadcastMember):
             return self.last_stats
         if version != self.version:
             raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to update from {version}")
-        adv = torch.tensor(np.asarray(advantages), dtype=torch.float32)
+        adv = torch.tensor(np.asarray(advantages), dtype=torch.float32, device=self.device)
         self.model.train()
         if self.expert_id == "generator":
-            batch = merge_generator_batches(list(shards))
+            batch = to_device(merge_generator_batches(self.model, list(shards)), self.device)
             loss, stats = generator_loss(self.model, self.reference, batch, adv, self.spec.noise_level,
                                          self.spec.clip_eps, self.spec.kl_beta)
         else:
-            batch = merge_refiner_batches(self.expert_id, list(shards))
+            batch = to_device(merge_refiner_batches(self.expert_id, list(shards)), self.device)
             loss, stats = refiner_loss(self.model, self.reference, batch, adv, self.spec.clip_eps,
                                          self.spec.kl_beta)
         if not torch.isfinite(loss):

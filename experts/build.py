@@ -30,6 +30,9 @@ def fresh_model(config, expert_id: str) -> torch.nn.Module:
     spec = config.expert(expert_id)
     if expert_id == "generator":
         m = spec.model
+        if m.kind == "diffusers_flow":
+            from experts.sd3 import SD3Velocity
+            return SD3Velocity(spec, derive_seed(config.trainer.seed, "init", expert_id))
         return TinyDiT(config.task.image_size, 3, m.patch, m.d_model, m.n_layers, m.n_heads,
                        config.experts.text_encoder.d_model)
     m = spec.model

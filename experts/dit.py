@@ -2,8 +2,8 @@
 
 Image patches and projected text features attend jointly (as in SD3's MMDiT, in one stream); the
 timestep and the pooled text modulate every block through adaLN-zero. The generator interface the
-driver relies on is `forward(x, sigma, text, text_pad) -> velocity`, which a diffusers transformer
-can implement later.
+driver relies on is `forward(x, sigma, **cond) -> velocity` and `merge_conditions`, which a
+diffusers transformer implements too (experts/sd3.py).
 """
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from experts.layers import Block, padding_mask
+from experts.text_encoder import pad_features
 
 
 def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
     half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half) / half)
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=sigma.device) / half)
     args = sigma[:, None] * 1000.0 * freqs[None]
     return torch.cat([args.cos(), args.sin()], -1)
 
@@ -53,10 +54,17 @@ class TinyDiT(nn.Module):
         cond = self.t_mlp(timestep_embedding(sigma, 64)) + self.pool_in(pooled)
         img = self.patch_in(self.patchify(x)) + self.img_pos
         tokens = torch.cat([self.text_in(text), img], 1)
-        pad = torch.cat([text_pad, torch.zeros(img.shape[:2], dtype=torch.bool)], 1)
+        pad = torch.cat([text_pad, torch.zeros(img.shape[:2], dtype=torch.bool, device=img.device)], 1)
         allowed = padding_mask(pad)
         for block in self.blocks:
             tokens = block(tokens, allowed, cond)
         shift, scale = self.final_ada(cond)[:, None].chunk(2, dim=-1)
         img = self.final_norm(tokens[:, text.shape[1]:]) * (1 + scale) + shift
         return self.unpatchify(self.out(img))
+
+    @staticmethod
+    def merge_conditions(conds: list[dict]) -> dict[str, torch.Tensor]:
+        """Conditioning of several rollout shards as one batch: text features re-padded to a common length."""
+        feats = [t[~p] for c in conds for t, p in zip(c["text"], c["text_pad"])]
+        text, pad = pad_features(feats)
+        return {"text": text, "text_pad": pad}

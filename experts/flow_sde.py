@@ -15,7 +15,17 @@ import torch
 
 
 def sigma_schedule(steps: int) -> torch.Tensor:
+    """Evenly spaced sigmas from 1 to 0 (the tiny DiT's; a diffusers model takes its scheduler's)."""
     return torch.linspace(1.0, 0.0, steps + 1)
+
+
+def sde_steps(steps: int, window: list[int] | None) -> torch.Tensor:
+    """Which of the `steps` transitions are SDE (noise injected, log-prob recorded, trained on):
+    those in [window[0], window[1]) (Flow-GRPO-Fast's window; ODE elsewhere), or all of them."""
+    mask = torch.zeros(steps, dtype=torch.bool)
+    start, end = window if window is not None else (0, steps)
+    mask[start:min(end, steps)] = True
+    return mask
 
 
 def sde_mean_std(x, v, sigma, sigma_next, noise_level: float, sigma_max: float):
@@ -33,29 +43,31 @@ def gaussian_logp(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -
     return lp.flatten(1).mean(1)
 
 
-def _bcast(s: torch.Tensor, n: int) -> torch.Tensor:
-    return s.expand(n).view(n, 1, 1, 1)
+def _bcast(s: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A scalar sigma shaped to broadcast over a batch like `like`."""
+    return s.reshape([1] * like.dim()).expand(like.shape[0], *[1] * (like.dim() - 1))
 
 
 @torch.no_grad()
-def sample(model, text, text_pad, noise: torch.Tensor, noise_level: float, sde: bool = True):
-    """Integrate from noise[:, 0] to an image; `noise` (B, T+1, C, H, W) holds every Gaussian draw.
+def sample(velocity, noise: torch.Tensor, sigmas: torch.Tensor, noise_level: float, sde: torch.Tensor):
+    """Integrate from noise[:, 0] along `sigmas` (T+1, from 1 down to 0); `noise` (B, T+1, ...) holds
+    every Gaussian draw, `velocity(x, sigma)` is the conditioned model, and the transitions marked in
+    `sde` (T,) are SDE steps, the others ODE steps.
 
-    Returns the states (B, T+1, C, H, W) and, for the SDE, per-step log-probs (B, T) (else zeros).
+    Returns the states (B, T+1, ...) and per-step log-probs (B, T) (0 at ODE steps).
     """
     b, steps = noise.shape[0], noise.shape[1] - 1
-    sigmas = sigma_schedule(steps)
-    x = noise[:, 0]
+    x, sigmas = noise[:, 0], sigmas.to(noise.device)
     states, logps = [x], []
     for t in range(steps):
-        s, s_next = _bcast(sigmas[t], b), _bcast(sigmas[t + 1], b)
-        v = model(x, sigmas[t].expand(b), text, text_pad)
-        if sde:
+        s, s_next = _bcast(sigmas[t], x), _bcast(sigmas[t + 1], x)
+        v = velocity(x, sigmas[t].expand(b))
+        if sde[t]:
             mean, std = sde_mean_std(x, v, s, s_next, noise_level, float(sigmas[1]))
             x = mean + std * noise[:, t + 1]
             logps.append(gaussian_logp(x, mean, std))
         else:
             x = x + v * (s_next - s)
-            logps.append(torch.zeros(b))
+            logps.append(torch.zeros(b, device=x.device))
         states.append(x)
     return torch.stack(states, 1), torch.stack(logps, 1)

@@ -21,6 +21,7 @@ from torch import nn
 from tasks.reward import Refinement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # a causal LM's attention projections
 
 
 def answer_of(text: str, tag: str | None) -> tuple[str, bool | None]:
@@ -54,7 +55,7 @@ class HFRefiner(nn.Module):
             torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built
             self.lm = get_peft_model(self.lm, LoraConfig(r=m.lora.r, lora_alpha=m.lora.alpha,
                                                          lora_dropout=m.lora.dropout,
-                                                         target_modules=list(m.lora.target_modules)))
+                                                         target_modules=m.lora.target_modules or LORA_TARGETS))
         eos = self.tokenizer.eos_token_id
         self.eos = eos if eos is not None else self.lm.config.eos_token_id
         pad = self.tokenizer.pad_token_id
@@ -74,8 +75,9 @@ class HFRefiner(nn.Module):
 
     def left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         n = max(len(s) for s in seqs)
-        ids = torch.tensor([[self.pad] * (n - len(s)) + list(s) for s in seqs], dtype=torch.long)
-        mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
+        device = self.lm.device
+        ids = torch.tensor([[self.pad] * (n - len(s)) + list(s) for s in seqs], dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
         return ids, mask
 
     def step_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,7 @@ class HFRefiner(nn.Module):
         Returns tokens (B, M) (pad after the end), their log-probs (B, M) and a validity mask (B, M)."""
         ids, attention = self.left_pad(prompts)
         b = len(prompts)
-        done = torch.zeros(b, dtype=torch.bool)
+        done = torch.zeros(b, dtype=torch.bool, device=ids.device)
         tokens, logps, masks = [], [], []
         out = self.lm(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
                       use_cache=True)
@@ -98,7 +100,7 @@ class HFRefiner(nn.Module):
             valid = ~done
             tok = torch.where(valid, tok, torch.full_like(tok, self.pad))
             tokens.append(tok)
-            logps.append(torch.where(valid, lp.gather(1, tok[:, None]).squeeze(1), torch.zeros(b)))
+            logps.append(torch.where(valid, lp.gather(1, tok[:, None]).squeeze(1), 0.0))
             masks.append(valid)
             done = done | (tok == self.eos)
             if j + 1 == self.max_new_tokens or done.all():

@@ -46,9 +46,8 @@ class TinyCausalLM(nn.Module):
         logits = self.head(self.norm(x)) / self.temperature
         return F.log_softmax(logits.masked_fill(self.banned, float("-inf")), dim=-1)
 
-    @staticmethod
-    def context(prompts: list[list[int]]) -> torch.Tensor:
-        return left_pad([[BOS, *p, SEP] for p in prompts])
+    def context(self, prompts: list[list[int]]) -> torch.Tensor:
+        return left_pad([[BOS, *p, SEP] for p in prompts]).to(self.head.weight.device)
 
     @torch.no_grad()
     def sample(self, prompts: list[list[int]], uniforms: torch.Tensor):
@@ -58,7 +57,7 @@ class TinyCausalLM(nn.Module):
         """
         seq = self.context(prompts)
         b, m = len(prompts), self.max_new_tokens
-        done = torch.zeros(b, dtype=torch.bool)
+        done = torch.zeros(b, dtype=torch.bool, device=seq.device)
         tokens, logps, mask = [], [], []
         for j in range(m):
             lp = self.logprobs(seq)[:, -1]
@@ -67,7 +66,7 @@ class TinyCausalLM(nn.Module):
             valid = ~done
             tok = torch.where(valid, tok, torch.full_like(tok, PAD))
             tokens.append(tok)
-            logps.append(torch.where(valid, lp.gather(1, tok[:, None]).squeeze(1), torch.zeros(b)))
+            logps.append(torch.where(valid, lp.gather(1, tok[:, None]).squeeze(1), 0.0))
             mask.append(valid)
             done = done | (tok == EOS)
             seq = torch.cat([seq, tok[:, None]], 1)

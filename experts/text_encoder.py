@@ -22,7 +22,7 @@ class TextEncoder(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         pad = ids == PAD
-        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))[None]
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))[None]
         allowed = padding_mask(pad)
         for block in self.blocks:
             x = block(x, allowed)
@@ -32,8 +32,8 @@ class TextEncoder(nn.Module):
 def pad_features(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad per-sequence features (L_i, D) into (B, L, D) and a padding mask (B, L)."""
     n = max(f.shape[0] for f in feats)
-    out = torch.zeros(len(feats), n, feats[0].shape[1])
-    pad = torch.ones(len(feats), n, dtype=torch.bool)
+    out = torch.zeros(len(feats), n, feats[0].shape[1], device=feats[0].device)
+    pad = torch.ones(len(feats), n, dtype=torch.bool, device=feats[0].device)
     for i, f in enumerate(feats):
         out[i, : f.shape[0]] = f
         pad[i, : f.shape[0]] = False
@@ -63,7 +63,8 @@ class CachedEncoder:
         self.hits, self.misses = self.hits + len(keys) - n_miss, self.misses + n_miss
         if missing:
             n = max(len(k[1]) for k in missing)
-            ids = torch.tensor([list(k[1]) + [PAD] * (n - len(k[1])) for k in missing])
+            ids = torch.tensor([list(k[1]) + [PAD] * (n - len(k[1])) for k in missing],
+                               device=self.encoder.tok.weight.device)
             feats = self.encoder(ids)
             for k, f in zip(missing, feats):
                 self.cache[k] = f[: len(k[1])].clone()

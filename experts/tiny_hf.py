@@ -50,32 +50,34 @@ def tiny_causal_lm(out: Path, seed: int = 0) -> Path:
 
 
 def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16) -> Path:
-    """An SD3-style pipeline whose VAE halves the resolution: `sample_size` latents make images of
-    twice that side."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    """An SD3-style pipeline (no T5) whose VAE halves the resolution: latents of side `sample_size`
+    decode to images of twice that side."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-    out = Path(out)
     torch.manual_seed(seed)
-    SD3Transformer2DModel(sample_size=sample_size, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-                          num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
-                          pooled_projection_dim=64, out_channels=4, pos_embed_max_size=64,
-                          ).save_pretrained(out / "transformer")
-    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-                  latent_channels=4, norm_num_groups=4, sample_size=2 * sample_size, shift_factor=0.06,
-                  scaling_factor=1.5).save_pretrained(out / "vae")
-    for name in ("text_encoder", "text_encoder_2"):
-        tokenizer = word_tokenizer(["<pad>", "<unk>", "<|startoftext|>", "<|endoftext|>"], max_length=16)
+    transformer = SD3Transformer2DModel(sample_size=sample_size, patch_size=2, in_channels=4, num_layers=2,
+                                        attention_head_dim=8, num_attention_heads=4, joint_attention_dim=32,
+                                        caption_projection_dim=32, pooled_projection_dim=64, out_channels=4,
+                                        pos_embed_max_size=64)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=4, sample_size=2 * sample_size, shift_factor=0.06,
+                        scaling_factor=1.5)
+    encoders, tokenizers = [], []
+    for _ in range(2):
+        tokenizer = word_tokenizer(["<pad>", "<unk>", "<|startoftext|>", "<|endoftext|>"], max_length=77)
         tokenizer.bos_token, tokenizer.eos_token = "<|startoftext|>", "<|endoftext|>"
-        CLIPTextModelWithProjection(CLIPTextConfig(
+        tokenizers.append(tokenizer)
+        encoders.append(CLIPTextModelWithProjection(CLIPTextConfig(
             vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=16, projection_dim=32, hidden_act="gelu",
+            num_attention_heads=2, max_position_embeddings=77, projection_dim=32, hidden_act="gelu",
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id)).save_pretrained(out / name)
-        tokenizer.save_pretrained(out / name.replace("text_encoder", "tokenizer"))
-    FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(out / "scheduler")
-    (out / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}\n')
-    return out
+            pad_token_id=tokenizer.pad_token_id)))
+    StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+                             text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
+                             tokenizer_2=tokenizers[1], text_encoder_3=None, tokenizer_3=None).save_pretrained(out)
+    return Path(out)
 
 
 if __name__ == "__main__":

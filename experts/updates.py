@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from experts.flow_sde import gaussian_logp, sde_mean_std, sigma_schedule
+from experts.flow_sde import gaussian_logp, sde_mean_std
 
 
 def kl3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -46,20 +46,21 @@ def ppo_clip_objective(logp, old_logp, adv, clip_eps: float):
 
 def generator_loss(policy, reference, batch: dict, adv: torch.Tensor, noise_level: float,
                    clip_eps: float, kl_beta: float):
-    """PPO over every SDE step of every trajectory, re-evaluating each recorded transition."""
-    states, old_logp = batch["states"], batch["logps"]             # (B, T+1, C, H, W), (B, T)
-    b, steps = old_logp.shape
-    sigmas = sigma_schedule(steps)
-    x, x_next = states[:, :-1].flatten(0, 1), states[:, 1:].flatten(0, 1)
-    s = sigmas[:-1].repeat(b).view(-1, 1, 1, 1)
-    s_next = sigmas[1:].repeat(b).view(-1, 1, 1, 1)
-    text = batch["text"].repeat_interleave(steps, 0)
-    pad = batch["text_pad"].repeat_interleave(steps, 0)
-    mean, std = sde_mean_std(x, policy(x, s.flatten(), text, pad), s, s_next, noise_level, float(sigmas[1]))
+    """PPO over every SDE step of every trajectory, re-evaluating each recorded transition; `batch`
+    holds the states (B, T+1, ...), log-probs (B, T), the sigmas (T+1,), which steps were SDE (T,)
+    and the conditioning the model reads (`cond`, per sample)."""
+    states, old_logp, sigmas = batch["states"], batch["logps"], batch["sigmas"]
+    steps = batch["sde"].nonzero().flatten()          # only SDE transitions have a log-prob to match
+    b, k = states.shape[0], len(steps)
+    x, x_next = states[:, steps].flatten(0, 1), states[:, steps + 1].flatten(0, 1)
+    shape = (-1, *[1] * (x.dim() - 1))
+    s, s_next = sigmas[steps].repeat(b).view(shape), sigmas[steps + 1].repeat(b).view(shape)
+    cond = {name: v.repeat_interleave(k, 0) for name, v in batch["cond"].items()}
+    sigma_max = float(sigmas[1])
+    mean, std = sde_mean_std(x, policy(x, s.flatten(), **cond), s, s_next, noise_level, sigma_max)
     with torch.no_grad():
-        ref_mean, _ = sde_mean_std(x, reference(x, s.flatten(), text, pad), s, s_next, noise_level,
-                                   float(sigmas[1]))
+        ref_mean, _ = sde_mean_std(x, reference(x, s.flatten(), **cond), s, s_next, noise_level, sigma_max)
     logp = gaussian_logp(x_next, mean, std)
-    pg, ratio = ppo_clip_objective(logp, old_logp.flatten(), adv.repeat_interleave(steps), clip_eps)
+    pg, ratio = ppo_clip_objective(logp, old_logp[:, steps].flatten(), adv.repeat_interleave(k), clip_eps)
     kl = (((mean - ref_mean) ** 2) / (2 * std ** 2)).flatten(1).mean(1).mean()
     return pg + kl_beta * kl, {"kl": float(kl.detach()), "ratio_mean": float(ratio.detach().mean())}

@@ -58,3 +58,24 @@ def assert_same_training(a: list[dict], b: list[dict], tol: float = 1e-6) -> Non
         for k in x:
             same = abs(x[k] - y[k]) <= tol if isinstance(x[k], float) and isinstance(y[k], float) else x[k] == y[k]
             assert same, (x["step"], k, x[k], y[k])
+
+
+def run_killing(config, run_dir, victim: str, after: tuple[int, ...]) -> tuple[list[dict], dict]:
+    """Train `config` on Ray, killing its actor `victim` (e.g. "rollout/1"; Ray restarts it) as soon
+    as the run has logged each of `after` steps, at whatever moment of a step that lands; returns
+    (metric rows, the driver's inspect())."""
+    import time
+    config.trainer.run_name = config.trainer.run_name or f"kill-{next(_names)}"
+    driver = start_driver(config, run_dir)
+    done = driver.run.remote()
+    for n in after:
+        while len(get(driver.poll.remote(0))) < n:
+            if ray.wait([done], timeout=0.05)[0]:
+                get(done)  # raises the run's error, if it failed
+                pytest.fail("the run finished before the kill")
+        ray.kill(ray.get_actor(f"{config.trainer.run_name}/{victim}", namespace="jointrl"), no_restart=False)
+        time.sleep(0.3)
+    get(done)
+    info = get(driver.inspect.remote())
+    stop_driver(driver)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], info

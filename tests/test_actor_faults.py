@@ -1,15 +1,9 @@
 """Killed actors cost time, never correctness: an expert, a rollout worker or the weight-sync actor
 killed mid-run is restarted by Ray and restored by the driver; the run finishes with every update
 applied exactly once, versions only rising, and metrics identical to a fault-free run."""
-import json
-import time
-
 import pytest
-import ray
 
-from cluster.runtime import get
-from driver.launch import start_driver, stop_driver
-from tests.conftest import assert_same_training, make_config, run_training
+from tests.conftest import assert_same_training, make_config, run_killing, run_training
 
 STEPS = 8
 TARGETS = {"expert": "expert/refiner_1", "generator": "expert/generator", "worker": "rollout/1",
@@ -30,22 +24,8 @@ def reference(ray_session, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", list(TARGETS))
 def test_killed_actor_is_restored_and_the_run_is_unchanged(kind, reference, tmp_path):
-    name = f"faults-{kind}"
-    driver = start_driver(config(name), tmp_path)
-    done = driver.run.remote()
-    killed = 0
-    for after in (2, 5):  # kill twice, at whatever moment of a step the poll lands in
-        while len(get(driver.poll.remote(0))) < after:
-            if ray.wait([done], timeout=0.05)[0]:
-                get(done)  # raises the run's error, if it failed
-                pytest.fail("the run finished before the kill")
-        ray.kill(ray.get_actor(f"{name}/{TARGETS[kind]}", namespace="jointrl"), no_restart=False)
-        killed += 1
-        time.sleep(0.3)
-    get(done)
-    info = get(driver.inspect.remote())
-    stop_driver(driver)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    killed = 2
+    rows, info = run_killing(config(f"faults-{kind}"), tmp_path, TARGETS[kind], after=(2, 5))
     assert [r["step"] for r in rows] == list(range(STEPS))                  # nothing lost
     noticed = sum(rows[-1][f"faults/{c}"] for c in ("expert_restarts", "worker_restarts", "sync_restarts"))
     assert noticed == killed                                               # every kill noticed and survived

@@ -3,18 +3,14 @@ updates, every sample's lag behind each expert is measured and bounded, and the 
 inline equals ray, a resumed run equals the uninterrupted one, a killed worker changes nothing."""
 import json
 import shutil
-import time
 
 import numpy as np
 import pytest
-import ray
 
 import driver.cli as cli
-from cluster.runtime import get
 from driver import checkpoint
-from driver.launch import start_driver, stop_driver
 from driver.staleness import lags, within
-from tests.conftest import assert_same_training, make_config, run_training
+from tests.conftest import assert_same_training, make_config, run_killing, run_training
 
 STEPS = 6
 
@@ -91,18 +87,7 @@ def test_resume_with_a_rollout_in_flight_equals_the_uninterrupted_run(async_ray_
 
 def test_a_worker_killed_during_an_async_run_changes_nothing(async_ray_run, tmp_path):
     reference, _ = async_ray_run
-    cfg = config()
-    cfg.trainer.run_name = "async-kill"
-    driver = start_driver(cfg, tmp_path)
-    done = driver.run.remote()
-    for after in (1, 3):
-        while len(get(driver.poll.remote(0))) < after:
-            assert not ray.wait([done], timeout=0.05)[0], "the run finished before the kill"
-        ray.kill(ray.get_actor("async-kill/rollout/1", namespace="jointrl"), no_restart=False)
-        time.sleep(0.3)
-    get(done)
-    stop_driver(driver)
-    rows = read_rows(tmp_path)
+    rows, _ = run_killing(config(), tmp_path, "rollout/1", after=(1, 3))
     assert rows[-1]["faults/worker_restarts"] + rows[-1]["faults/sync_restarts"] >= 2
     assert_same_training(rows, reference)  # redone with the weights it was first made with
     assert np.all(np.diff([r["version/generator"] for r in rows]) == 1)

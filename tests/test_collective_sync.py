@@ -1,19 +1,13 @@
 """Weight sync by collective broadcast (`cluster.sync=collective`, gloo here, NCCL on GPUs): the
 same versions, fingerprints and acknowledgements as the object-store path, the same training
 numbers, and a group that re-forms itself after a member is killed."""
-import json
-import time
-
 import numpy as np
 import pytest
-import ray
 import torch
 
 from cluster.collective import flatten, layout, unflatten
-from cluster.runtime import get
 from cluster.weight_sync import fingerprint
-from driver.launch import start_driver, stop_driver
-from tests.conftest import assert_same_training, make_config, run_training
+from tests.conftest import assert_same_training, make_config, run_killing, run_training
 
 STEPS = 5
 
@@ -53,17 +47,8 @@ def test_a_collective_run_broadcasts_every_version_and_trains_the_same(object_st
 
 
 def test_a_killed_worker_is_synced_through_the_object_store_and_the_group_reformed(object_store_rows, tmp_path):
-    cfg = config("cluster.sync=collective", "cluster.collective_timeout_s=20")
-    cfg.trainer.run_name = "collective-kill"
-    driver = start_driver(cfg, tmp_path)
-    done = driver.run.remote()
-    while len(get(driver.poll.remote(0))) < 2:
-        assert not ray.wait([done], timeout=0.05)[0], "the run finished before the kill"
-    ray.kill(ray.get_actor("collective-kill/rollout/1", namespace="jointrl"), no_restart=False)
-    time.sleep(0.3)
-    get(done)
-    stop_driver(driver)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = run_killing(config("cluster.sync=collective", "cluster.collective_timeout_s=20"), tmp_path,
+                          "rollout/1", after=(2,))
     assert_same_training(rows, object_store_rows)
     assert rows[-1]["faults/worker_restarts"] + rows[-1]["faults/sync_restarts"] == 1
     assert rows[-1]["sync/via"] == "collective"  # the group was formed again with the new worker

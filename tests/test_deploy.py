@@ -113,7 +113,7 @@ def test_dockerfile_pins_torch_then_installs_the_project_in_the_image_the_manife
     assert base.startswith(cluster["spec"]["rayVersion"])                         # the image's Ray is the cluster's
     steps = [line for line in dockerfile.splitlines() if line.startswith("RUN")]
     torch_at = next(i for i, s in enumerate(steps) if '"torch==' in s)
-    project_at = next(i for i, s in enumerate(steps) if "pip install --no-cache-dir ." in s)
+    project_at = next(i for i, s in enumerate(steps) if re.search(r"pip install --no-cache-dir \"?\.", s))
     assert torch_at < project_at and "--index-url" in steps[torch_at]
     for package in ("cluster", "experts", "driver", "tasks"):
         assert f"COPY --chown=ray:users {package} ./{package}" in dockerfile

@@ -1,17 +1,13 @@
 """Logging and looking: a Ray run with a pool of reward actors scoring a torch-scorer plug-in,
 TensorBoard, W&B (offline) and sample sheets on; `jointrl report` draws its curves and samples."""
 import json
-import time
 
 import numpy as np
 import pytest
-import ray
 from PIL import Image
 
 import driver.cli as cli
-from cluster.runtime import get
-from driver.launch import start_driver, stop_driver
-from tests.conftest import assert_same_training, make_config, run_training
+from tests.conftest import assert_same_training, make_config, run_killing, run_training
 
 STEPS = 3
 SCORED = ["reward.fn=tasks.scorers:shapes_and_sharpness",
@@ -48,17 +44,7 @@ def test_a_reward_actor_pool_scores_as_the_workers_would(logged_run, tmp_path):
 
 def test_a_killed_reward_actor_is_waited_for_and_asked_again(logged_run, tmp_path):
     _, reference = logged_run
-    cfg = config("reward.actors=1", "trainer.steps=5")
-    cfg.trainer.run_name = "reward-kill"
-    driver = start_driver(cfg, tmp_path)
-    done = driver.run.remote()
-    while len(get(driver.poll.remote(0))) < 1:
-        assert not ray.wait([done], timeout=0.05)[0], "the run finished before the kill"
-    ray.kill(ray.get_actor("reward-kill/reward/0", namespace="jointrl"), no_restart=False)
-    time.sleep(0.2)
-    get(done)
-    stop_driver(driver)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = run_killing(config("reward.actors=1", "trainer.steps=5"), tmp_path, "reward/0", after=(1,))
     assert [r["step"] for r in rows] == list(range(5))
     assert_same_training(rows[:STEPS], reference)
     assert all(r["faults/dropped_samples"] == 0 for r in rows)

@@ -5,7 +5,7 @@ import torch
 from driver.config import load_config
 from driver.credit import advantages, group_normalise
 from experts.build import build_model
-from experts.flow_sde import gaussian_logp, sample, sde_mean_std
+from experts.flow_sde import gaussian_logp, sample, sde_mean_std, sde_steps, sigma_schedule
 from experts.text_encoder import CachedEncoder
 from experts.updates import generator_loss, kl3, ppo_clip_objective, refiner_loss
 from tasks.shapes import BOS, prompt_set
@@ -28,14 +28,30 @@ def test_sde_logprob_equals_torch_normal():
     torch.testing.assert_close(std, torch.full_like(std, std_t * 0.15 ** 0.5))
 
 
-def _trajectories(n=4, steps=4):
+def _trajectories(n=4, steps=4, window=None):
     prompts = prompt_set(n, seed=1)
     encoder = CachedEncoder(build_model(CFG, "text_encoder"))
     text, pad = encoder([(BOS, *p.ids) for p in prompts])
     dit = build_model(CFG, "generator")
     noise = torch.randn(n, steps + 1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
-    states, logps = sample(dit, text, pad, noise, 0.7)
-    return dit, {"states": states, "logps": logps, "text": text, "text_pad": pad}
+    sigmas, sde = sigma_schedule(steps), sde_steps(steps, window)
+    states, logps = sample(lambda x, s: dit(x, s, text, pad), noise, sigmas, 0.7, sde)
+    return dit, {"states": states, "logps": logps, "sigmas": sigmas, "sde": sde, "cond": {"text": text, "text_pad": pad}}
+
+
+def test_an_sde_window_records_and_trains_only_its_steps():
+    """Flow-GRPO-Fast: noise only on the window's steps, ODE elsewhere; log-probs (and the loss)
+    exist only there, and an ODE step is deterministic given its state."""
+    dit, batch = _trajectories(steps=6, window=[1, 3])
+    assert batch["sde"].tolist() == [False, True, True, False, False, False]
+    assert (batch["logps"][:, [0, 3, 4, 5]] == 0).all() and (batch["logps"][:, [1, 2]] != 0).all()
+    loss, stats = generator_loss(dit, build_model(CFG, "generator"), batch, torch.tensor([1.0, -1.0, 0.5, 0.0]),
+                                 0.7, 1e-4, 0.01)
+    assert abs(stats["ratio_mean"] - 1.0) < 1e-5
+    x, sigmas = batch["states"][:, 0], batch["sigmas"]
+    with torch.no_grad():  # step 0 is an Euler (ODE) step
+        euler = x + dit(x, sigmas[0].expand(4), **batch["cond"]) * (sigmas[1] - sigmas[0])
+    torch.testing.assert_close(batch["states"][:, 1], euler)
 
 
 def test_generator_recomputed_logprob_equals_recorded_so_first_ratio_is_one():

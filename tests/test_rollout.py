@@ -28,15 +28,15 @@ def test_refiner_sync_keeps_the_text_encoder_cache_and_bumps_only_that_version()
     worker, experts = _synced_worker()
     items = _items()
     worker.rollout(0, items)
-    cached = dict(worker.encoder.cache)
+    cached = dict(worker.frontend.encoder.cache)
     assert cached
     refiner_batch = worker.rollout(0, items)[1]
     adv = np.ones(len(refiner_batch["refiner_0"]["prompts"]))
     stats = experts["refiner_0"].update(0, 0, adv, refiner_batch)
     worker.load_weights("refiner_0", stats["version"], experts["refiner_0"].weights())
     assert worker.version_vector() == {"refiner_0": 1, "refiner_1": 0, "generator": 0, "text_encoder": 0}
-    assert all(k in worker.encoder.cache for k in cached)   # a refiner sync invalidates nothing
-    worker.encoder.take_stats()
+    assert all(k in worker.frontend.encoder.cache for k in cached)   # a refiner sync invalidates nothing
+    worker.frontend.encoder.take_stats()
     meta, _, _ = worker.rollout(1, items)
     assert meta["cache_hits"] >= 2                          # the unrefined prompts hit
     assert all(v == worker.version_vector() for v in meta["versions"])

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Two joint steps on one GPU, for when one is lent (see bench/gpu_smoke.py).
+#   bench/gpu_smoke.sh            the `gpu` preset: Qwen2.5-0.5B-Instruct refiners, SD3.5-medium, LoRA, bf16
+#                                 (models from the Hugging Face cache or the hub)
+#   bench/gpu_smoke.sh --tiny     tiny random HF models built on the spot: no download, same GPU code paths
+# Extra arguments go to bench/gpu_smoke.py (--collective: weight sync by NCCL broadcast; --run-dir DIR).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec "${PYTHON:-python}" bench/gpu_smoke.py "$@"

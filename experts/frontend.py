@@ -1,0 +1,54 @@
+"""What a rollout worker holds around the generator, one kind per generator model: the text side
+(composing a prompt with its refinements and encoding it, with a cache), the space the flow runs
+in (its shape, its sigma schedule) and the way back to pixels.
+
+`ShapesFrontEnd` serves the tiny DiT: its own frozen text encoder over the shapes vocabulary,
+pixel space, evenly spaced sigmas. A diffusers generator brings its own (experts/sd3.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from experts.build import build_model
+from experts.flow_sde import sigma_schedule
+from experts.text_encoder import CachedEncoder
+from tasks.shapes import BOS, SEP, known_ids
+
+
+class ShapesFrontEnd:
+    def __init__(self, config, device: torch.device):
+        self.config = config
+        self.encoder = CachedEncoder(build_model(config, "text_encoder").to(device), version=0)
+        size = config.task.image_size
+        self.latent_shape = (3, size, size)
+
+    @property
+    def version(self) -> int:
+        return self.encoder.version
+
+    def condition(self, prompts: list, refinements: list[dict], drop: str | None = None) -> dict[str, torch.Tensor]:
+        """The encoder's features of <bos> prompt, then <sep> y_k for each refiner (except `drop`),
+        each refinement's words in the encoder's vocabulary (it cannot read others)."""
+        order = self.config.experts.ids()[:-1]
+        seqs = [(BOS, *p.ids, *[t for e in order if e in refs and e != drop
+                                for t in (SEP, *known_ids(refs[e].words, self.config.expert(e).max_new_tokens))])
+                for p, refs in zip(prompts, refinements)]
+        text, text_pad = self.encoder(seqs)
+        return {"text": text, "text_pad": text_pad}
+
+    def sigmas(self, steps: int) -> torch.Tensor:
+        return sigma_schedule(steps)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [-1, 1]: the flow runs in pixel space."""
+        return latents.clamp(-1, 1)
+
+    def take_stats(self) -> tuple[int, int]:
+        return self.encoder.take_stats()
+
+
+def build_frontend(config, device: torch.device = torch.device("cpu")):
+    if config.experts.generator.model.kind == "diffusers_flow":
+        from experts.sd3 import SD3FrontEnd
+        return SD3FrontEnd(config, device)
+    return ShapesFrontEnd(config, device)
