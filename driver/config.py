@@ -106,6 +106,15 @@ class HFCausalLMConfig(Strict):
     lora: LoraConfig | None = None
 
 
+def _default_kind(kind: str):
+    """A `model` section without `kind` (e.g. `--set experts.generator.model.d_model=128`) is the tiny one."""
+    def fill(data):
+        if isinstance(data, dict) and isinstance(data.get("model"), dict) and "kind" not in data["model"]:
+            data = {**data, "model": {"kind": kind, **data["model"]}}
+        return data
+    return fill
+
+
 class RefinerConfig(Strict):
     owns: list[str] | None = None            # reward terms credited to this refiner; None: the default
     train: bool = True
@@ -118,6 +127,8 @@ class RefinerConfig(Strict):
     init: InitPath = None                     # a checkpoint to start from (`jointrl pretrain` writes one)
     resources: Resources = Resources()
     model: Annotated[TinyLMConfig | HFCausalLMConfig, Field(discriminator="kind")] = TinyLMConfig()
+
+    _kind = model_validator(mode="before")(_default_kind("tiny_lm"))
 
 
 class TinyDiTConfig(Strict):
@@ -153,6 +164,8 @@ class GeneratorConfig(Strict):
     init: InitPath = None                     # a checkpoint to start from (pretrained base)
     resources: Resources = Resources()
     model: Annotated[TinyDiTConfig | DiffusersFlowConfig, Field(discriminator="kind")] = TinyDiTConfig()
+
+    _kind = model_validator(mode="before")(_default_kind("tiny_dit"))
 
     @model_validator(mode="after")
     def _window(self):

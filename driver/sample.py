@@ -49,7 +49,7 @@ def sample_run(run_dir: Path, text: str, n: int = 4, seed: int = 0, out: Path | 
     for eid, state in weights.items():
         worker.load_weights(eid, checkpoint.step_of(ckpt), state)
     drawn = worker.draw([prompt] * n, refine=not config.experts.generator_only, tag=f"sample/{seed}")
-    out = out or Path(run_dir) / "samples" / f"{re.sub(r'[^a-z0-9]+', '-', prompt.text)}-seed{seed}.png"
+    out = out or Path(run_dir) / "samples" / f"{re.sub(r'[^a-z0-9]+', '-', prompt.text.lower()).strip('-')}-seed{seed}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_png(out, grid(drawn["images"], cols=min(n, 8)))
     return {"png": out, "checkpoint": ckpt, "refinements": drawn["refinements"]}

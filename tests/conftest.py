@@ -60,15 +60,15 @@ def assert_same_training(a: list[dict], b: list[dict], tol: float = 1e-6) -> Non
             assert same, (x["step"], k, x[k], y[k])
 
 
-def run_killing(config, run_dir, victim: str, after: tuple[int, ...]) -> tuple[list[dict], dict]:
-    """Train `config` on Ray, killing its actor `victim` (e.g. "rollout/1"; Ray restarts it) as soon
-    as the run has logged each of `after` steps, at whatever moment of a step that lands; returns
-    (metric rows, the driver's inspect())."""
+def run_killing(config, run_dir, kills: list[tuple[int, str]]) -> tuple[list[dict], dict]:
+    """Train `config` on Ray; for each (n, victim) of `kills`, kill the actor `victim` (e.g.
+    "rollout/1"; Ray restarts it) as soon as the run has logged n steps, at whatever moment of a
+    step that lands. Returns (metric rows, the driver's inspect())."""
     import time
     config.trainer.run_name = config.trainer.run_name or f"kill-{next(_names)}"
     driver = start_driver(config, run_dir)
     done = driver.run.remote()
-    for n in after:
+    for n, victim in kills:
         while len(get(driver.poll.remote(0))) < n:
             if ray.wait([done], timeout=0.05)[0]:
                 get(done)  # raises the run's error, if it failed

@@ -87,7 +87,7 @@ def test_resume_with_a_rollout_in_flight_equals_the_uninterrupted_run(async_ray_
 
 def test_a_worker_killed_during_an_async_run_changes_nothing(async_ray_run, tmp_path):
     reference, _ = async_ray_run
-    rows, _ = run_killing(config(), tmp_path, "rollout/1", after=(1, 3))
+    rows, _ = run_killing(config(), tmp_path, [(1, "rollout/1"), (3, "rollout/1")])
     assert rows[-1]["faults/worker_restarts"] + rows[-1]["faults/sync_restarts"] >= 2
     assert_same_training(rows, reference)  # redone with the weights it was first made with
     assert np.all(np.diff([r["version/generator"] for r in rows]) == 1)

@@ -19,7 +19,7 @@ def png_size(path: Path) -> tuple[int, int]:
 @pytest.mark.slow
 def test_learning_bench_quick_writes_report_and_plot(tmp_path):
     out = tmp_path / "results"
-    done = subprocess.run([sys.executable, "bench/learning.py", "--quick", "--out", str(out), "--work",
+    done = subprocess.run([sys.executable, "bench/learning.py", "--quick", "--seeds", "1", "--out", str(out), "--work",
                            str(tmp_path / "runs"), "--set", f"pretrain.out_dir={tmp_path / 'pretrained'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

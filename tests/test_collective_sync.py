@@ -33,12 +33,14 @@ def test_the_fingerprint_of_tensors_is_that_of_their_arrays():
 
 
 @pytest.fixture(scope="module")
-def object_store_rows(ray_session, tmp_path_factory):
-    rows, _, _ = run_training(config(), tmp_path_factory.mktemp("object_store"))
+def object_store_rows(tmp_path_factory):
+    """The same config synced in-process: what a collective run must reproduce."""
+    rows, _, _ = run_training(config("cluster.mode=inline", "cluster.rollout_workers=1"),
+                              tmp_path_factory.mktemp("object_store"))
     return rows
 
 
-def test_a_collective_run_broadcasts_every_version_and_trains_the_same(object_store_rows, tmp_path):
+def test_a_collective_run_broadcasts_every_version_and_trains_the_same(ray_session, object_store_rows, tmp_path):
     rows, info, _ = run_training(config("cluster.sync=collective"), tmp_path)
     assert_same_training(rows, object_store_rows)
     assert [r["sync/via"] for r in rows] == ["collective"] * STEPS
@@ -46,9 +48,10 @@ def test_a_collective_run_broadcasts_every_version_and_trains_the_same(object_st
     assert all(w == {**info["registry"], "text_encoder": 0} for w in info["workers"])
 
 
-def test_a_killed_worker_is_synced_through_the_object_store_and_the_group_reformed(object_store_rows, tmp_path):
+def test_a_killed_worker_is_synced_through_the_object_store_and_the_group_reformed(ray_session, object_store_rows,
+                                                                                  tmp_path):
     rows, _ = run_killing(config("cluster.sync=collective", "cluster.collective_timeout_s=20"), tmp_path,
-                          "rollout/1", after=(2,))
+                          [(2, "rollout/1")])
     assert_same_training(rows, object_store_rows)
     assert rows[-1]["faults/worker_restarts"] + rows[-1]["faults/sync_restarts"] == 1
     assert rows[-1]["sync/via"] == "collective"  # the group was formed again with the new worker

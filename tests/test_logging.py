@@ -44,7 +44,7 @@ def test_a_reward_actor_pool_scores_as_the_workers_would(logged_run, tmp_path):
 
 def test_a_killed_reward_actor_is_waited_for_and_asked_again(logged_run, tmp_path):
     _, reference = logged_run
-    rows, _ = run_killing(config("reward.actors=1", "trainer.steps=5"), tmp_path, "reward/0", after=(1,))
+    rows, _ = run_killing(config("reward.actors=1", "trainer.steps=5"), tmp_path, [(1, "reward/0")])
     assert [r["step"] for r in rows] == list(range(5))
     assert_same_training(rows[:STEPS], reference)
     assert all(r["faults/dropped_samples"] == 0 for r in rows)
