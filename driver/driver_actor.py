@@ -26,6 +26,7 @@ from cluster.rollout import RolloutWorker
 from cluster.runtime import Runtime, get
 from cluster.weight_sync import WeightSyncActor, fingerprint
 from driver import checkpoint
+from driver.config import dump_config
 from driver.credit import advantages
 from driver.metrics import MetricsLog
 from driver.staleness import lags, within
@@ -62,6 +63,8 @@ class DriverActor:
         experts' actor class (bench/perf.py's scaling simulation swaps in one whose update sleeps)."""
         self.config, self.run_dir = config, Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not (self.run_dir / "config.yaml").exists():  # the CLI writes it first; a run started from Python too
+            (self.run_dir / "config.yaml").write_text(dump_config(config))
         self.prompts = prompt_set(config.trainer.n_train_prompts, derive_seed(config.trainer.seed, "prompts"))
         self.runtime = Runtime(config.cluster.mode, config.trainer.run_name)
         self.expert_ids = config.experts.ids()
