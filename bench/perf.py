@@ -36,7 +36,7 @@ from bench.scored_reward import score  # noqa: E402
 from cluster.runtime import get  # noqa: E402
 from driver.config import load_config  # noqa: E402
 from driver.launch import start_driver, stop_driver  # noqa: E402
-from experts.actor import ExpertActor, StaleExpert  # noqa: E402
+from experts.actor import ExpertActor  # noqa: E402
 
 SCORED = ["reward.fn=bench.scored_reward:shapes_and_scorer",
           "reward.weights={image: 1.0, fidelity: 0.5, style: 0.5, format: 0.5, scorer: 0.0}"]
@@ -46,15 +46,9 @@ class SleepyExpert(ExpertActor):
     """An expert whose update sleeps `SLEEP_S` instead of computing, and still bumps its version."""
     SLEEP_S = 1.0
 
-    def update(self, step: int, version: int, advantages, *shards) -> dict:
-        if step <= self.last_step:
-            return self.last_stats
-        if version != self.version:
-            raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to update from {version}")
+    def apply(self, step: int, advantages, shards) -> dict:
         time.sleep(self.SLEEP_S)
-        self.version, self.last_step = self.version + 1, step
-        self.last_stats = {"loss": 0.0, "kl": 0.0, "ratio_mean": 1.0, "version": self.version}
-        return self.last_stats
+        return {"loss": 0.0, "kl": 0.0, "ratio_mean": 1.0}
 
 
 def train(work: Path, name: str, overrides: list[str], preset: str = "shapes", expert_cls=ExpertActor) -> list[dict]:

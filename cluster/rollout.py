@@ -100,7 +100,7 @@ class RolloutWorker(BroadcastMember):
         """`items`: {"sample", "prompt", "refine"} per sample, in the driver's global order, made
         with the experts' `versions` (those published when the driver submitted it; None: the
         versions served now)."""
-        self.use_versions(versions or {e: v for e, v in self.versions.items()})
+        self.use_versions(versions or dict(self.versions))
         start = time.perf_counter()
         refinements, refiner_batch = self.refine(step, items)
         noise = self.noise(step, items)
@@ -117,7 +117,7 @@ class RolloutWorker(BroadcastMember):
                 "refinements": as_text(refinements),
                 "cache_hits": hits, "cache_misses": misses, "busy_s": time.perf_counter() - start}
         if self.shows_images(step):
-            meta["images"] = np.stack([to_uint8(im) for im in images.clamp(-1, 1).cpu().numpy()])
+            meta["images"] = np.stack([to_uint8(im) for im in images.cpu().numpy()])
         trajectories = {"states": states.cpu().numpy(), "logps": logps.cpu().numpy(),
                         "cond": {k: v.cpu().numpy() for k, v in cond.items()},
                         "sigmas": self.sigmas.numpy(), "sde": self.sde.numpy()}
@@ -179,8 +179,8 @@ class RolloutWorker(BroadcastMember):
             self.config.trainer.seed, "noise", step, it["sample"])) for it in items])
 
     def reward(self, images: torch.Tensor, items: list[dict], refinements: list[dict]):
-        """(named terms, valid per sample); faults are counted into `self.faults`."""
-        terms, valid, faults = self.guarded_reward(images.clamp(-1, 1).cpu().numpy(), [it["prompt"] for it in items],
+        """(named terms, valid per sample) of decoded images in [-1, 1]; faults are counted into `self.faults`."""
+        terms, valid, faults = self.guarded_reward(images.cpu().numpy(), [it["prompt"] for it in items],
                                                    refinements, self.owners)
         for kind, n in faults.items():
             self.faults[kind] = self.faults.get(kind, 0) + n

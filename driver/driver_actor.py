@@ -53,6 +53,11 @@ class Rollout:
     outs: list[tuple]
     weights: dict[str, tuple]
 
+    @property
+    def versions(self) -> dict[str, int]:
+        """The version of every expert this rollout is made with (its workers are told so)."""
+        return {e: w[0] for e, w in self.weights.items()}
+
 
 class DriverActor:
     def __init__(self, config, run_dir: str, resume: str | None = None, placement: Placement | None = None,
@@ -159,9 +164,9 @@ class DriverActor:
         """Every worker's share of `step`'s samples, made with the weights published so far."""
         items = self.make_items(step)
         shards = [list(s) for s in np.array_split(np.array(items, dtype=object), len(self.workers))]
-        versions = {e: w[0] for e, w in self.published.items()}
-        outs = [w.rollout.options(num_returns=3).remote(step, s, versions) for w, s in zip(self.workers, shards)]
-        self.in_flight[step] = Rollout(items, shards, outs, dict(self.published))
+        rollout = self.in_flight[step] = Rollout(items, shards, [], dict(self.published))
+        rollout.outs = [w.rollout.options(num_returns=3).remote(step, s, rollout.versions)
+                        for w, s in zip(self.workers, shards)]
 
     def submit_under(self, step: int, weights: dict[str, tuple]) -> None:
         """`step`'s rollout made again with the `weights` it was first made with: the workers get
@@ -197,8 +202,8 @@ class DriverActor:
             def attempt(first, worker=worker, j=j):
                 if not first:
                     settle(rollout.outs[j][1:])
-                    rollout.outs[j] = worker.rollout.options(num_returns=3).remote(
-                        step, rollout.shards[j], {e: w[0] for e, w in rollout.weights.items()})
+                    rollout.outs[j] = worker.rollout.options(num_returns=3).remote(step, rollout.shards[j],
+                                                                                   rollout.versions)
                 return get(rollout.outs[j][0])
 
             def reload(worker=worker):
@@ -278,14 +283,15 @@ class DriverActor:
         t_sync = time.perf_counter()
         sync = self.publish(self.expert_ids if self.reloaded else due)
         self.reloaded = False
-        row = self.metrics_row(step, terms, counterfactual, refined & valid, valid, metas, stats)
+        total = total_reward(terms, self.config.reward.weights)
+        row = self.metrics_row(step, terms, total, counterfactual, refined & valid, valid, metas, stats)
         row.update({f"faults/{k}": n for k, n in self.faults.items()})  # actor faults survived so far
         row["faults/dropped_samples"] = int((~rewarded).sum())
         row.update({f"staleness/{e}": int(v.max()) for e, v in lag.items()})
         row["staleness/dropped_samples"] = int((rewarded & ~valid).sum())
         row["sync/via"] = sync["via"]  # collective, object_store (also a collective run's fallback), None
         if "images" in metas[0]:
-            self.log_samples(step, rollout.items, metas, total_reward(terms, self.config.reward.weights), valid)
+            self.log_samples(step, rollout.items, metas, total, valid)
         rollout_s = max(m["busy_s"] for m in metas)  # the slowest worker's share
         step_s = time.perf_counter() - start
         row.update({"time/rollout_s": rollout_s, "time/update_s": t_sync - t_update, "time/sync_s": sync["sync_s"],
@@ -300,10 +306,9 @@ class DriverActor:
                               [it["prompt"].text for it in items[:n]], refinements,
                               [float(t) if v else None for t, v in zip(total[:n], valid[:n])])
 
-    def metrics_row(self, step, terms, counterfactual, refined, valid, metas, stats) -> dict:
+    def metrics_row(self, step, terms, total, counterfactual, refined, valid, metas, stats) -> dict:
         """Rewards are means over the valid samples (None in a step without any)."""
         cfg = self.config
-        total = total_reward(terms, cfg.reward.weights)
         def mean(values, where):
             return float(values[where].mean()) if where.any() else None
         row = {"step": step, "n_experts": len(self.expert_ids), "credit": cfg.algorithm.credit,

@@ -52,7 +52,8 @@ class ExpertActor(BroadcastMember):
         self.device = actor_device(self.spec.resources)
         self.model = build_model(config, expert_id).to(self.device)
         self.reference = reference_of(self.model)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.spec.lr)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # all, or a LoRA adapter's
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=self.spec.lr)
         self.version = 0
         self.last_step, self.last_stats = -1, {}
 
@@ -102,6 +103,14 @@ class ExpertActor(BroadcastMember):
             return self.last_stats
         if version != self.version:
             raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to update from {version}")
+        stats = self.apply(step, advantages, shards)
+        self.version += 1
+        self.last_step = step
+        self.last_stats = {**stats, "version": self.version}
+        return self.last_stats
+
+    def apply(self, step: int, advantages: np.ndarray, shards: tuple[dict, ...]) -> dict:
+        """The optimizer step itself: this expert's loss on the shards, one clipped step; its stats."""
         adv = torch.tensor(np.asarray(advantages), dtype=torch.float32, device=self.device)
         self.model.train()
         if self.expert_id == "generator":
@@ -116,10 +125,6 @@ class ExpertActor(BroadcastMember):
             raise FloatingPointError(f"{self.expert_id}: non-finite loss at step {step}; update not applied")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                       self.config.algorithm.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.trainable, self.config.algorithm.grad_clip)
         self.optimizer.step()
-        self.version += 1
-        self.last_step = step
-        self.last_stats = {"loss": float(loss.detach()), **stats, "version": self.version}
-        return self.last_stats
+        return {"loss": float(loss.detach()), **stats}

@@ -9,6 +9,7 @@ or a hub id.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import SimpleNamespace
 
@@ -78,17 +79,14 @@ class SD3Velocity(nn.Module):
         state = self.state_dict()
         return {k: v for k, v in state.items() if "lora_" in k} if self.lora else state
 
+    @contextlib.contextmanager
     def adapter_disabled(self):
         """A context in which the transformer is its frozen base (LoRA): the reference, without a copy."""
-        transformer = self.transformer
-
-        class Off:
-            def __enter__(self):
-                transformer.disable_adapters()
-
-            def __exit__(self, *exc):
-                transformer.enable_adapters()
-        return Off()
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
 
 
 class SD3FrontEnd:

@@ -1,9 +1,11 @@
-"""One local Ray per test session, and a helper that runs a training config to completion."""
+"""One local Ray per test session, and helpers that run training configs (with kills if asked) and
+compare or look at what they wrote."""
 from __future__ import annotations
 
 import itertools
 import json
 
+import numpy as np
 import pytest
 import ray
 
@@ -79,3 +81,12 @@ def run_killing(config, run_dir, kills: list[tuple[int, str]]) -> tuple[list[dic
     info = get(driver.inspect.remote())
     stop_driver(driver)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], info
+
+
+def looks_like_a_picture(path, min_size=(300, 200)) -> None:
+    """A PNG that opens, is at least `min_size`, and is not one flat colour."""
+    from PIL import Image
+    with Image.open(path) as im:
+        assert im.size[0] >= min_size[0] and im.size[1] >= min_size[1], (path, im.size)
+        pixels = np.asarray(im.convert("RGB"), dtype=np.float32)
+    assert pixels.std() > 5.0, f"{path} is blank"

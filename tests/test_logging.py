@@ -2,12 +2,10 @@
 TensorBoard, W&B (offline) and sample sheets on; `jointrl report` draws its curves and samples."""
 import json
 
-import numpy as np
 import pytest
-from PIL import Image
 
 import driver.cli as cli
-from tests.conftest import assert_same_training, make_config, run_killing, run_training
+from tests.conftest import assert_same_training, looks_like_a_picture, make_config, run_killing, run_training
 
 STEPS = 3
 SCORED = ["reward.fn=tasks.scorers:shapes_and_sharpness",
@@ -16,14 +14,6 @@ SCORED = ["reward.fn=tasks.scorers:shapes_and_sharpness",
 
 def config(*extra):
     return make_config(f"trainer.steps={STEPS}", "cluster.rollout_workers=2", *SCORED, *extra, preset="shapes-tiny")
-
-
-def looks_like_a_picture(path, min_size=(300, 200)):
-    """A PNG that opens, is at least `min_size`, and is not one flat colour."""
-    with Image.open(path) as im:
-        assert im.size[0] >= min_size[0] and im.size[1] >= min_size[1], (path, im.size)
-        pixels = np.asarray(im.convert("RGB"), dtype=np.float32)
-    assert pixels.std() > 5.0, f"{path} is blank"
 
 
 @pytest.fixture(scope="module")
