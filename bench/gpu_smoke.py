@@ -20,7 +20,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from cluster.runtime import get  # noqa: E402
-from driver.config import dump_config, load_config  # noqa: E402
+from driver.config import load_config  # noqa: E402
 from driver.launch import start_driver, stop_driver  # noqa: E402
 from driver.report import report  # noqa: E402
 
@@ -50,7 +50,6 @@ def main() -> int:
     overrides += ["cluster.sync=collective", "cluster.collective_backend=nccl"] if args.collective else []
     cfg = load_config("gpu", overrides)
     cfg.trainer.run_name = run_dir.resolve().name
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
     ray.init(address="local", include_dashboard=False, namespace="jointrl")
     start = time.perf_counter()
     driver = start_driver(cfg, run_dir)

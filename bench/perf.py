@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
 from bench.scored_reward import score  # noqa: E402
+from cluster.expert_actor import ExpertActor  # noqa: E402
 from cluster.runtime import get  # noqa: E402
 from driver.config import load_config  # noqa: E402
 from driver.launch import start_driver, stop_driver  # noqa: E402
-from experts.actor import ExpertActor  # noqa: E402
 
 SCORED = ["reward.fn=bench.scored_reward:shapes_and_scorer",
           "reward.weights={image: 1.0, fidelity: 0.5, style: 0.5, format: 0.5, scorer: 0.0}"]

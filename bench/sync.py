@@ -29,12 +29,14 @@ sys.path.insert(0, str(ROOT))
 
 import ray  # noqa: E402
 
-from cluster.rollout import RolloutWorker  # noqa: E402
+from cluster.expert_actor import ExpertActor  # noqa: E402
+from cluster.rollout_worker import RolloutWorker  # noqa: E402
 from cluster.runtime import get  # noqa: E402
-from cluster.weight_sync import WeightSyncActor, fingerprint  # noqa: E402
+from cluster.weight_sync import WeightSyncActor  # noqa: E402
 from driver.config import load_config  # noqa: E402
-from experts.actor import ExpertActor  # noqa: E402
-from experts.build import fresh_model  # noqa: E402
+from experts.kinds import build_model  # noqa: E402
+from experts.records import Release  # noqa: E402
+from experts.weights import fingerprint  # noqa: E402
 
 MB = 1 << 20
 
@@ -53,7 +55,7 @@ def generator_config(megabytes: float, share: bool):
         cfg = load_config("shapes-tiny", [f"experts.generator.model.d_model={d_model}",
                                           f"cluster.share_weights={str(share).lower()}"])
         with torch.device("meta"):
-            size = sum(p.numel() * 4 for p in fresh_model(cfg, "generator").parameters())
+            size = sum(p.numel() * 4 for p in build_model(cfg, "generator", fresh=True).parameters())
         if size >= megabytes * MB:
             return cfg, size
     raise ValueError(f"no generator of {megabytes} MB")
@@ -85,24 +87,24 @@ def spawn_workers(cfg, n: int, cls=RolloutWorker) -> list:
 
 def sync_row(megabytes: float, workers: int, repeats: int, bandwidth: float) -> dict:
     cfg, size = generator_config(megabytes, share=True)
-    model = fresh_model(cfg, "generator")
+    model = build_model(cfg, "generator", fresh=True)
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
     pool = spawn_workers(cfg, workers, NaiveWorker)
     expert = ray.remote(ExpertActor).options(num_cpus=0).remote(cfg, "generator")
     sync = ray.remote(WeightSyncActor).options(num_cpus=0).remote(pool)
     broadcaster = ray.remote(WeightSyncActor).options(num_cpus=0).remote(
         pool, {"generator": expert}, {"backend": "gloo", "timeout_s": 60.0})
-    expert_sum = get(expert.snapshot.options(num_returns=3).remote()[2])["checksum"]
+    expert_sum = get(expert.snapshot.options(num_returns=3).remote()[2]).checksum
     get([w.version_vector.remote() for w in pool])
 
     def jointrl(version):
         def deliver():
             ref = ray.put(weights)
-            get(sync.publish.remote([("generator", version, fingerprint(weights), [ref])]))
+            get(sync.publish.remote({"generator": Release(version, ref, fingerprint(weights))}))
         return deliver
 
     def collective():
-        get(broadcaster.publish.remote([("generator", 0, expert_sum, [None])], broadcast=True))
+        get(broadcaster.publish.remote({"generator": Release(0, None, expert_sum)}, broadcast=True))
 
     def naive():
         state = model.state_dict()
@@ -132,9 +134,9 @@ def memory_row(megabytes: float, workers: int) -> dict:
         for name, c in (("big", cfg), ("small", small_cfg)):
             pool = spawn_workers(c, workers)
             sync = ray.remote(WeightSyncActor).options(num_cpus=0).remote(pool)
-            weights = {k: v.numpy() for k, v in fresh_model(c, "generator").state_dict().items()}
+            weights = {k: v.numpy() for k, v in build_model(c, "generator", fresh=True).state_dict().items()}
             ref = ray.put(weights)
-            get(sync.publish.remote([("generator", 1, fingerprint(weights), [ref])]))
+            get(sync.publish.remote({"generator": Release(1, ref, fingerprint(weights))}))
             pids = get([w.__ray_call__.remote(lambda self: __import__("os").getpid()) for w in pool])
             totals[name] = sum(private_kib(p) for p in pids) * 1024
             for handle in (*pool, sync):

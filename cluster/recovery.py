@@ -9,9 +9,24 @@ what the lost one would have. Inline mode has no actor faults and passes straigh
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 
 import ray
 from ray.exceptions import ObjectLostError, RayActorError
+
+
+@dataclass
+class FaultCounts:
+    """Actor faults survived so far, counted where they were noticed (the expert group and the
+    rollout pool share one): a worker that dies during a weight sync counts as a sync fault."""
+    expert_restarts: int = 0
+    worker_restarts: int = 0
+    sync_restarts: int = 0
+    sync_fallbacks: int = 0
+    rollouts_lost: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 class NotSynced(RuntimeError):

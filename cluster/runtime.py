@@ -54,8 +54,9 @@ def get(refs):
 class Runtime:
     """Spawns actors for a mode: `ray` (named, in the `jointrl` namespace) or `inline`."""
 
-    def __init__(self, mode: str, run_name: str):
-        self.mode, self.run_name = mode, run_name
+    def __init__(self, mode: str, run_name: str, max_restarts: int = 0, placement=None):
+        """`max_restarts` and `placement` (cluster/placement.py) apply to the run's members (`spawn_member`)."""
+        self.mode, self.run_name, self.max_restarts, self.placement = mode, run_name, max_restarts, placement
 
     def put(self, value):
         """`value` in the object store (ray) or wrapped as an already-computed result (inline)."""
@@ -67,3 +68,10 @@ class Runtime:
         options = {"num_cpus": 0, **options}
         return ray.remote(cls).options(name=f"{self.run_name}/{name}", namespace="jointrl",
                                        **options).remote(*args)
+
+    def spawn_member(self, cls, *args, name: str, resources=None):
+        """An actor of the run: Ray restarts it when it dies (its state is restored by whoever holds
+        it), it reserves `resources`, and it runs in its placement bundle if it reserved one."""
+        return self.spawn(cls, *args, name=name, max_restarts=self.max_restarts, max_task_retries=0,
+                          **(resources.options() if resources else {}),
+                          **(self.placement.options.get(name, {}) if self.placement else {}))

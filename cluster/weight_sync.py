@@ -11,48 +11,22 @@ from __future__ import annotations
 
 import datetime
 import time
-import warnings
-import zlib
+from typing import NamedTuple
 
-import numpy as np
 import ray
-import torch
 import torch.distributed as dist
 
 from cluster.collective import GroupSpec
 from cluster.runtime import get
+from experts.records import Release
 
 
-class CorruptWeights(RuntimeError):
-    """Weights whose fingerprint does not match the one they were published with."""
-
-
-def as_tensor(value) -> torch.Tensor:
-    """A numpy array (read-only ones from the object store too) or a tensor, as a tensor, uncopied."""
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    with warnings.catch_warnings():  # read-only views are only read here
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(np.ascontiguousarray(value))
-
-
-def fingerprint(weights: dict) -> int:
-    """A fast fingerprint of a weights dict (numpy arrays or tensors, on any device): every array's
-    name, shape and dtype, and the sum of its bytes as 64-bit words (mod 2^64), mixed in name
-    order. It catches truncated, missing or corrupted tensors at memory speed (about 5 ms per
-    100 MB); it is not a cryptographic hash."""
-    total = 0
-    for name in sorted(weights):
-        tensor = as_tensor(weights[name]).contiguous()
-        if tensor.data_ptr() % 8:  # a view at an odd offset of a flat buffer: read as words from a copy
-            tensor = tensor.clone()
-        raw = tensor.reshape(-1).view(torch.uint8)
-        whole = raw.numel() // 8 * 8
-        words = int(raw[:whole].view(torch.int64).sum()) % (1 << 64) + int(raw[whole:].sum())
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        label = zlib.crc32(f"{name}{tuple(tensor.shape)}{dtype}".encode())
-        total = (total * 1_000_003 + label + words) % (1 << 64)
-    return total
+class SyncResult(NamedTuple):
+    """How a publish went: its seconds, the path it took (collective, object_store) and, if a
+    broadcast failed and the object store delivered instead, why."""
+    sync_s: float
+    via: str
+    fallback: str | None
 
 
 class WeightSyncActor:
@@ -65,11 +39,12 @@ class WeightSyncActor:
         self.registry: dict[str, int] = {}
         self.store, self.generation, self.intact = None, 0, False
 
-    def publish(self, releases: list[tuple[str, int, int, list]], broadcast: bool = False) -> dict:
-        """`releases`: (expert_id, version, fingerprint, [weights ref]) each; the ref is boxed so it
-        passes through to the workers unresolved. `broadcast`: these are the experts' current
-        versions, which a collective run sends by broadcast; if that fails the object store
-        delivers them instead (and the group is formed anew before the next broadcast)."""
+    def publish(self, releases: dict[str, Release], broadcast: bool = False) -> SyncResult:
+        """Deliver every expert's release to every worker and collect their acknowledgements. A
+        release's weights ref sits inside the dict, so it passes through to the workers unresolved.
+        `broadcast`: these are the experts' current versions, which a collective run sends by
+        broadcast; if that fails the object store delivers them instead (and the group is formed
+        anew before the next broadcast)."""
         start = time.perf_counter()
         acks, fallback, via = None, None, "object_store"
         if broadcast and self.collective:
@@ -78,24 +53,21 @@ class WeightSyncActor:
             except Exception as error:  # any broken member: the object store still holds every version
                 self.intact, fallback = False, f"{type(error).__name__}: {error}"
         if acks is None:
-            acks = get([w.load_weights.remote(eid, version, box[0], checksum)
-                        for eid, version, checksum, box in releases for w in self.workers])
-        expected = [(eid, version) for eid, version, _, _ in releases for _ in self.workers]
+            acks = get([w.load_weights.remote(eid, *release) for eid, release in releases.items() for w in self.workers])
+        expected = [(eid, release.version) for eid, release in releases.items() for _ in self.workers]
         for (eid, version), ack in zip(expected, acks):
             if ack != version:
                 raise RuntimeError(f"a rollout worker acknowledged {eid} v{ack}, expected v{version}")
-        for eid, version, _, _ in releases:
-            self.registry[eid] = version
-        return {"registry": dict(self.registry), "acks": len(acks), "sync_s": time.perf_counter() - start,
-                "via": via, "fallback": fallback}
+        self.registry.update({eid: release.version for eid, release in releases.items()})
+        return SyncResult(time.perf_counter() - start, via, fallback)
 
-    def broadcast(self, releases: list[tuple]) -> list[int]:
+    def broadcast(self, releases: dict[str, Release]) -> list[int]:
         """Each expert broadcasts its current weights into every worker; returns the workers' acks."""
         self.form_group()
         senders, acks = [], []
-        for eid, version, checksum, _ in releases:
-            senders.append(self.experts[eid].send_weights.remote(version))
-            acks += [w.receive_weights.remote(eid, version, checksum) for w in self.workers]
+        for eid, release in releases.items():
+            senders.append(self.experts[eid].send_weights.remote(release.version))
+            acks += [w.receive_weights.remote(eid, release.version, release.fingerprint) for w in self.workers]
         return get(acks + senders)[:len(acks)]
 
     def form_group(self) -> None:

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from driver.config import ConfigError
 from experts import state_file
+from experts.records import ExpertInfo, Snapshot
 from experts.weights import synced_state
 
 
@@ -44,10 +45,10 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def save(run_dir: Path, step: int, snapshots: dict[str, tuple], keep: int = 0,
+def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0,
          in_flight: dict[int, dict[str, tuple]] | None = None) -> Path:
-    """Write checkpoint `step` (the driver resumes at this step) from each expert's
-    (weights, optimizer, info) snapshot and the rollouts in flight's older weights
+    """Write checkpoint `step` (the driver resumes at this step) from each expert's snapshot and
+    the rollouts in flight's older weights
     ({step: {expert: (version, weights)}}), and prune to the last `keep`."""
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     in_flight = in_flight or {}
@@ -57,10 +58,10 @@ def save(run_dir: Path, step: int, snapshots: dict[str, tuple], keep: int = 0,
         for older in in_flight.values():
             for eid, (version, weights) in older.items():
                 if not (tmp / f"{eid}.v{version}.safetensors").exists():
-                    state_file.write(tmp, f"{eid}.v{version}", weights, None, {"version": version, "last_step": -1})
+                    state_file.write(tmp, f"{eid}.v{version}", weights, None, ExpertInfo(version, -1))
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / "manifest.json").write_text(json.dumps(
-            {"step": step, "versions": {e: s[2]["version"] for e, s in snapshots.items()},
+            {"step": step, "versions": {e: s.info.version for e, s in snapshots.items()},
              "in_flight": {str(s): {e: v for e, (v, _) in older.items()} for s, older in in_flight.items()},
              "files": files}, indent=1))
     if keep:
@@ -114,14 +115,14 @@ def verify(ckpt: Path, expert_ids: list[str]) -> int:
     return info["step"]
 
 
-def load(ckpt: Path, expert_ids: list[str]) -> tuple[int, dict[str, tuple]]:
-    """(the step to resume at, each expert's (weights, optimizer, info)) from a verified checkpoint."""
+def load(ckpt: Path, expert_ids: list[str]) -> tuple[int, dict[str, Snapshot]]:
+    """(the step to resume at, each expert's snapshot) from a verified checkpoint."""
     return verify(ckpt, expert_ids), {e: state_file.read(ckpt, e) for e in expert_ids}
 
 
 def load_in_flight(ckpt: Path) -> dict[int, dict[str, tuple]]:
     """{step: {expert: (version, weights)}}: the older weights each rollout in flight was made with."""
-    return {int(s): {e: (v, state_file.read(ckpt, f"{e}.v{v}")[0]) for e, v in older.items()}
+    return {int(s): {e: (v, state_file.read(ckpt, f"{e}.v{v}").weights) for e, v in older.items()}
             for s, older in manifest(ckpt).get("in_flight", {}).items()}
 
 
@@ -131,6 +132,19 @@ def latest_weights(run_dir: Path, expert_ids: list[str]) -> tuple[Path, dict[str
     verify(ckpt, expert_ids)
     return ckpt, {e: {k: v.numpy() for k, v in state_file.read_weights(ckpt / f"{e}.safetensors").items()}
                   for e in expert_ids}
+
+
+def pipeline_at(run_dir: Path, config) -> tuple[Path, "RolloutPipeline"]:
+    """(the latest verified checkpoint of `run_dir`, a rollout pipeline serving its weights): what
+    `jointrl eval`, `sample` and `report` draw with."""
+    from experts.pipeline import RolloutPipeline
+    from experts.weights import model_tensors
+    ckpt, weights = latest_weights(run_dir, config.experts.ids())
+    torch.set_num_threads(1)
+    pipeline = RolloutPipeline(config)
+    for eid, state in weights.items():
+        pipeline.load(eid, step_of(ckpt), model_tensors(pipeline.models[eid], state))
+    return ckpt, pipeline
 
 
 def check_shapes(ckpt: Path, expert_id: str, model: torch.nn.Module) -> None:

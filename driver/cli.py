@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from driver.config import Config, ConfigError, dump_config, load_config, run_config
+from driver.config import Config, ConfigError, load_config, run_config
 from driver.metrics import progress_line
 
 
@@ -37,7 +37,11 @@ def parse_args(argv):
     s.add_argument("--out", default=None, help="the PNG to write (default RUN/samples/<prompt>-seed<S>.png)")
     r = sub.add_parser("report", help="plot a run's curves and samples as PNG files in RUN_DIR/report/")
     r.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (with metrics.jsonl)")
-    for sp in (t, pre, e):
+    c = sub.add_parser("config", help="print a resolved config (show) or every key (keys), with descriptions")
+    c.add_argument("action", choices=("show", "keys"),
+                   help="show: the config of --config and --set, each key with its description and default; "
+                        "keys: every dotted key with its type and description")
+    for sp in (t, pre, e, c):
         sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set trainer.steps=40 (repeatable)")
@@ -59,8 +63,6 @@ def prepare_run(config: Config, run_dir: str | None, preset: str) -> Path:
                           f"folder so nothing already trained is overwritten")
     if config.trainer.run_name is None:
         config.trainer.run_name = path.resolve().name
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.yaml").write_text(dump_config(config))
     return path
 
 
@@ -68,7 +70,7 @@ def prepare_resume(run_dir: str, config_arg: str | None, overrides: list[str]) -
     """The saved config (plus `overrides`) and the verified checkpoint a stopped run resumes from.
     Everything is checked before anything starts or is written."""
     from driver import checkpoint
-    from experts.build import fresh_model
+    from experts.kinds import build_model
     path = Path(run_dir)
     if config_arg:
         raise ConfigError(f"--resume '{path}' trains with the run's saved config.yaml; drop --config "
@@ -77,12 +79,10 @@ def prepare_resume(run_dir: str, config_arg: str | None, overrides: list[str]) -
     ckpt = checkpoint.latest(path)
     step = checkpoint.verify(ckpt, config.experts.ids())
     for eid in config.experts.ids():
-        checkpoint.check_shapes(ckpt, eid, fresh_model(config, eid))
+        checkpoint.check_shapes(ckpt, eid, build_model(config, eid, fresh=True))
     if step >= config.trainer.steps:
         raise ConfigError(f"--resume '{path}': the run is complete ({step} of trainer.steps={config.trainer.steps}); "
                           f"raise it with --set trainer.steps=N to train further")
-    if overrides:
-        (path / "config.yaml").write_text(dump_config(config))
     return config, path, ckpt
 
 
@@ -112,8 +112,8 @@ def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
     import ray
 
     from cluster.connect import connect
-    from driver.launch import start_driver, stop_driver
     from driver.checkpoint import step_of
+    from driver.launch import follow, start_driver, stop_driver
     progress = Progress(config.trainer.steps, step_of(resume) if resume else 0)
     started_here = config.cluster.mode == "ray" and not ray.is_initialized()
     try:
@@ -122,14 +122,9 @@ def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
         connect(config.cluster.address)
         driver = start_driver(config, run_dir, resume)
         try:
-            done, seen = driver.run.remote(), 0
-            while True:
-                finished = ray.wait([done], timeout=0.5)[0]
-                for row in ray.get(driver.poll.remote(seen)):
-                    progress(row)
-                    seen += 1
-                if finished:
-                    return ray.get(done)
+            done = driver.run.remote()
+            follow(driver, done, progress)
+            return ray.get(done)
         finally:
             stop_driver(driver)
     finally:
@@ -223,7 +218,23 @@ def run_train(args) -> int:
     return 0
 
 
+def run_config_docs(args) -> int:
+    """`jointrl config show|keys`: the schema's documentation; show skips the preflight checks, so a
+    config that names models or files absent here can still be read."""
+    from driver.config import resolve_config
+    from driver.config_docs import keys, show
+    if args.action == "keys":
+        print(keys())
+        return 0
+    try:
+        config = resolve_config(args.config, args.overrides)
+    except ConfigError as e:
+        return config_error(e)
+    print(show(config))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
-            "report": run_report}[args.command](args)
+            "report": run_report, "config": run_config_docs}[args.command](args)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.shapes import to_uint8
+from tasks.base import to_uint8
 
 
 def grid(images: np.ndarray, cols: int = 8, pad: int = 2, scale: int = 4) -> np.ndarray:

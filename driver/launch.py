@@ -1,4 +1,5 @@
-"""Starting the driver: in-process for `inline`, else as the named Ray actor `<run_name>/driver`.
+"""Starting, following and stopping the driver: in-process for `inline`, else as the named Ray
+actor `<run_name>/driver`.
 
 The driver actor is pinned to the node of the process that starts it, so the run directory it
 writes is the one the user named. The run's placement groups are reserved here, before anything
@@ -8,15 +9,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cluster.expert_actor import ExpertActor
 from cluster.placement import Placement
 from cluster.runtime import InlineHandle, Runtime, get
+from driver.config import dump_config
 from driver.driver_actor import DriverActor
-from experts.actor import ExpertActor
+
+
+def save_config(config, run_dir: Path) -> Path:
+    """RUN_DIR/config.yaml, the resolved config the run trains with (written whole or not at all)."""
+    path = Path(run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name("config.yaml.tmp")
+    tmp.write_text(dump_config(config))
+    tmp.replace(path)
+    return path
 
 
 def start_driver(config, run_dir: Path, resume: Path | None = None, expert_cls=ExpertActor):
     """A handle to a new driver (its experts, workers and weight sync started and synced), resumed
-    from the checkpoint folder `resume` if given; its experts are `expert_cls` actors."""
+    from the checkpoint folder `resume` if given; its experts are `expert_cls` actors. The resolved
+    config is saved in the run directory first."""
+    save_config(config, run_dir)
     resume = str(Path(resume).resolve()) if resume else None
     if config.cluster.mode == "inline":
         import torch
@@ -28,8 +42,22 @@ def start_driver(config, run_dir: Path, resume: Path | None = None, expert_cls=E
     placement = Placement(config, config.trainer.run_name)  # raises PlacementError, naming what is missing
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return Runtime("ray", config.trainer.run_name).spawn(
-        DriverActor, config, str(Path(run_dir).resolve()), resume, placement, expert_cls, name="driver", max_concurrency=2,
-        scheduling_strategy=here)
+        DriverActor, config, str(Path(run_dir).resolve()), resume, placement, expert_cls, name="driver",
+        max_concurrency=2, scheduling_strategy=here)
+
+
+def follow(driver, done, on_row=None, seen: int = 0, until=None, interval_s: float = 0.5) -> int:
+    """Hand each new metrics row of the running `driver` to `on_row`, until its run (the ObjectRef
+    `done`) has ended or `until(rows seen)` holds; returns the rows seen."""
+    import ray
+    while True:
+        finished = bool(ray.wait([done], timeout=interval_s)[0])
+        for row in get(driver.poll.remote(seen)):
+            if on_row:
+                on_row(row)
+            seen += 1
+        if finished or (until and until(seen)):
+            return seen
 
 
 def stop_driver(driver) -> None:

@@ -1,8 +1,98 @@
-"""Per-step metrics: the JSONL contract of SPEC §4, and the one-line progress a user watches."""
+"""Per-step metrics: the rows of RUN_DIR/metrics.jsonl, computed by pure functions of what a step
+produced; the timer that measures a step's phases; and the one-line progress a user watches.
+
+Rewards are means over the step's valid samples (None in a step without any); a refiner's own
+reward is the mean of the terms it owns over the samples it refined.
+"""
 from __future__ import annotations
 
 import json
+import time
+from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
+
+from tasks.reward_guard import FAULTS
+
+
+@contextmanager
+def marked_timer(name: str, timings: dict[str, float]):
+    """Add the seconds the block takes to `timings[name]` (verl's `marked_timer`)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+def step_row(step: int, config, meta, total: np.ndarray, valid: np.ndarray, refined: np.ndarray,
+             lag: dict[str, np.ndarray], versions: dict[str, int], stats: dict[str, dict],
+             actor_faults: dict[str, int], sync, timings: dict[str, float]) -> dict:
+    """The metrics row of a step: `meta` is its rollout's (experts/pipeline.py), `valid` the samples
+    learnt from, `lag` each sample's versions behind each expert, `stats` the updates', `sync` the
+    publish's result and `timings` the driver's phases (marked_timer)."""
+    owns = {e: r.owns for e, r in config.experts.active_refiners().items()}
+    return {"step": step, "n_experts": len(versions), "credit": config.algorithm.credit,
+            "rollouts": (step + 1) * config.trainer.prompts_per_step * config.algorithm.group_size,
+            **reward_metrics(meta.terms, total, valid, refined & valid, owns),
+            **fault_metrics(meta.faults, actor_faults, meta.valid, valid),
+            **{f"version/{e}": v for e, v in versions.items()}, "version/text_encoder": meta.versions[0]["text_encoder"],
+            **update_metrics(stats),
+            "text_encoder/cache_hit_rate": meta.cache_hits / max(1, meta.cache_hits + meta.cache_misses),
+            **counterfactual_metrics(meta.counterfactual, total, valid), "sample/refinements": meta.refinements[0],
+            **staleness_metrics(lag, meta.valid, valid),
+            "sync/via": sync.via,  # collective, object_store (also a collective run's fallback), None
+            "time/rollout_s": meta.busy_s, "time/update_s": timings["update_s"], "time/sync_s": sync.sync_s,
+            "time/idle_s": max(0.0, timings["step_s"] - meta.busy_s), "time/step_s": timings["step_s"]}
+
+
+def mean_where(values: np.ndarray, where: np.ndarray) -> float | None:
+    return float(values[where].mean()) if where.any() else None
+
+
+def reward_metrics(terms: dict[str, np.ndarray], total: np.ndarray, valid: np.ndarray, refined: np.ndarray,
+                   owns: dict[str, list[str]]) -> dict:
+    """reward/total, reward/<term> and reward/<refiner id> (the terms it owns, where it refined)."""
+    row = {"reward/total": mean_where(total, valid)}
+    row.update({f"reward/{t}": mean_where(v, valid) for t, v in terms.items()})
+    for e, owned in owns.items():
+        row[f"reward/{e}"] = float(np.mean([terms[t][refined].mean() for t in owned])) if refined.any() else None
+    return row
+
+
+def update_metrics(stats: dict[str, dict]) -> dict:
+    """loss/<id> and kl/<id> of every expert updated this step, ppo/ratio_mean of the generator's."""
+    row = {}
+    for e, s in stats.items():
+        row[f"loss/{e}"], row[f"kl/{e}"] = s["loss"], s["kl"]
+    if "generator" in stats:
+        row["ppo/ratio_mean"] = stats["generator"]["ratio_mean"]
+    return row
+
+
+def counterfactual_metrics(counterfactual: dict[str, np.ndarray], total: np.ndarray, valid: np.ndarray) -> dict:
+    """counterfactual/<refiner id>: mean D_k = R - R(without y_k) over the valid samples drawn."""
+    row = {}
+    for e, without in counterfactual.items():
+        drawn = ~np.isnan(without) & valid
+        row[f"counterfactual/{e}"] = float(np.mean(total[drawn] - without[drawn])) if drawn.any() else 0.0
+    if counterfactual:
+        row["counterfactual/generations"] = int(sum((~np.isnan(v)).sum() for v in counterfactual.values()))
+    return row
+
+
+def fault_metrics(reward_faults: dict[str, int], actor_faults: dict[str, int], rewarded: np.ndarray,
+                  valid: np.ndarray) -> dict:
+    """Reward faults of this step, actor faults survived so far, and the samples each dropped."""
+    return {**{f"faults/{k}": reward_faults.get(k, 0) for k in FAULTS}, "faults/skipped_update": int(not valid.any()),
+            **{f"faults/{k}": n for k, n in actor_faults.items()}, "faults/dropped_samples": int((~rewarded).sum())}
+
+
+def staleness_metrics(lag: dict[str, np.ndarray], rewarded: np.ndarray, valid: np.ndarray) -> dict:
+    """staleness/<id>: the largest lag of the step's samples behind each expert; and those dropped for it."""
+    return {**{f"staleness/{e}": int(v.max()) for e, v in lag.items()},
+            "staleness/dropped_samples": int((rewarded & ~valid).sum())}
 
 
 class MetricsLog:

@@ -16,6 +16,14 @@ def pyplot():
     return plt
 
 
+def save(plt, fig, path: Path) -> Path:
+    """Lay out `fig`, write it to `path` and free it; returns `path`."""
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def curves(rows: list[dict], keys: list[str], title: str, ylabel: str, path: Path) -> Path | None:
     """One line per metric in `keys` against the step (steps without the metric are gaps);
     None, and nothing written, if no row has any of them."""
@@ -31,10 +39,7 @@ def curves(rows: list[dict], keys: list[str], title: str, ylabel: str, path: Pat
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)
 
 
 def sample_sheet(images: np.ndarray, captions: list[str], title: str, path: Path, cols: int = 4) -> Path:
@@ -50,10 +55,7 @@ def sample_sheet(images: np.ndarray, captions: list[str], title: str, path: Path
         wrapped = "\n".join(textwrap.fill(line, 38) for line in caption.splitlines())
         ax.text(0.5, -0.03, wrapped, transform=ax.transAxes, ha="center", va="top", fontsize=7, family="monospace")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)
 
 
 def caption(prompt: str, refinements: dict[str, str], reward: float | None) -> str:

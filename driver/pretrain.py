@@ -20,10 +20,11 @@ from tqdm import tqdm
 
 from driver.checkpoint import atomic_dir
 from experts import state_file
-from experts.build import build_model, fresh_model
+from experts.frontend import build_text_encoder
+from experts.kinds import build_model
 from experts.seeding import derive_seed
-from tasks.shapes import (BOS, CATEGORIES, EOS, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, WORD_TO_ID, make_prompt,
-                          paraphrase, render)
+from tasks.shapes import (BOS, CATEGORIES, EOS, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, WORD_TO_ID, Prompt,
+                          make_prompt, paraphrase, render)
 
 FORMAT = 3  # bump when what a base holds changes
 
@@ -70,14 +71,19 @@ def details(rng: np.random.Generator, degraded: bool, max_segments: int, max_wor
     return [t for words in segments for t in (SEP, *(WORD_TO_ID[w] for w in words))]
 
 
+def random_prompt(rng: np.random.Generator) -> Prompt:
+    """A prompt of a random category and wording (terse or full), paraphrased a third of the time."""
+    p = make_prompt(CATEGORIES[rng.integers(len(CATEGORIES))], rng, terse=bool(rng.integers(2)))
+    return paraphrase(p) if rng.random() < 1 / 3 else p
+
+
 def caption_batch(rng: np.random.Generator, n: int, size: int, degraded_share: float = 0.0,
                   max_segments: int = 0, max_words: int = 0):
     """`n` rendered (caption ids, image in [-1, 1]) pairs over every category and wording; a
     `degraded_share` of the images are degraded, and some captions carry style details."""
     ids, images = [], []
     for _ in range(n):
-        p = make_prompt(CATEGORIES[rng.integers(len(CATEGORIES))], rng, terse=bool(rng.integers(2)))
-        p = paraphrase(p) if rng.random() < 1 / 3 else p
+        p = random_prompt(rng)
         degraded = bool(rng.random() < degraded_share)
         images.append(render(p, rng, size, degraded))
         ids.append([BOS, *p.ids, *(details(rng, degraded, max_segments, max_words) if max_segments else [])])
@@ -102,7 +108,7 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
         return out, True
     pc = config.pretrain
     torch.set_num_threads(pc.threads)
-    generator, encoder = build_model(config, "generator"), build_model(config, "text_encoder")
+    generator, encoder = build_model(config, "generator"), build_text_encoder(config)
     ema = [copy.deepcopy(generator).requires_grad_(False), copy.deepcopy(encoder).requires_grad_(False)]
     params = [*generator.parameters(), *encoder.parameters()]
     optimizer = torch.optim.AdamW(params, lr=pc.lr, weight_decay=0.0)
@@ -135,8 +141,7 @@ def refinement_batch(rng: np.random.Generator, n: int, degraded_share: float, ma
     pretraining captions, so a pretrained refiner writes what the base generator has seen."""
     prompts, tokens = [], []
     for _ in range(n):
-        p = make_prompt(CATEGORIES[rng.integers(len(CATEGORIES))], rng, terse=bool(rng.integers(2)))
-        p = paraphrase(p) if rng.random() < 1 / 3 else p
+        p = random_prompt(rng)
         words = detail_words(rng, bool(rng.random() < degraded_share), max_new_tokens - 1)
         prompts.append(list(p.ids))
         tokens.append([*(WORD_TO_ID[w] for w in words), EOS] + [PAD] * (max_new_tokens - 1 - len(words)))
@@ -152,7 +157,7 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
         return out / "refiner.safetensors", True
     pc = config.pretrain
     torch.set_num_threads(pc.threads)
-    model = fresh_model(config, expert_id)
+    model = build_model(config, expert_id, fresh=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=pc.refiner_lr, weight_decay=0.0)
     rng = np.random.default_rng(derive_seed(pc.seed, "pretrain-refiner"))
     bar = tqdm(range(pc.refiner_steps), desc="refiner", unit="it", disable=not progress, mininterval=2.0)

@@ -16,6 +16,7 @@ import numpy as np
 from driver.config import ConfigError, run_config
 from driver.metrics import parse
 from driver.plots import caption, curves, sample_sheet
+from tasks.base import to_uint8
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
@@ -43,21 +44,13 @@ def latest_samples(run_dir: Path) -> tuple[np.ndarray, list[str], str] | None:
 
 
 def drawn_samples(run_dir: Path, n: int = 8) -> tuple[np.ndarray, list[str], str]:
-    """One ODE sample per held-out prompt from the latest checkpoint, with its refinements."""
-    import torch
-
-    from cluster.rollout import RolloutWorker
-    from driver import checkpoint
-    from driver.evaluate import held_out_sets
-    from tasks.shapes import to_uint8
+    """One ODE sample per tag of the task's first evaluation set, from the latest checkpoint, with
+    its refinements."""
+    from driver.checkpoint import pipeline_at
     config = run_config(run_dir, "report")
-    ckpt, weights = checkpoint.latest_weights(run_dir, config.experts.ids())
-    torch.set_num_threads(1)
-    worker = RolloutWorker(config, 0)
-    for eid, state in weights.items():
-        worker.load_weights(eid, checkpoint.step_of(ckpt), state)
-    prompts = held_out_sets(config)["held_out"][::max(1, config.evaluation.per_category)][:n]
-    drawn = worker.draw(prompts, refine=not config.experts.generator_only, tag="report")
+    ckpt, pipeline = pipeline_at(run_dir, config)
+    prompts = next(iter(pipeline.task.eval_sets().values()))[::max(1, config.evaluation.per_category)][:n]
+    drawn = pipeline.draw(prompts, refine=not config.experts.generator_only, tag="report")
     images = np.stack([to_uint8(im) for im in drawn["images"]])
     return images, [caption(p.text, r, None) for p, r in zip(prompts, drawn["refinements"])], \
         f"held-out prompts, {ckpt.name}"

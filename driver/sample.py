@@ -8,13 +8,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-
-from cluster.rollout import RolloutWorker
 from driver import checkpoint
 from driver.config import ConfigError, run_config
 from driver.images import grid, write_png
-from tasks.shapes import Prompt, encode_words
+from tasks.base import TextPrompt
+from tasks.shapes import encode_words
 
 
 def reads_word_ids(config) -> bool:
@@ -23,19 +21,18 @@ def reads_word_ids(config) -> bool:
     return any(k in ("tiny_lm", "tiny_dit") for k in kinds)
 
 
-def user_prompt(text: str, config) -> Prompt:
-    """A user's prompt as the models read it (it has no clauses: nothing scores it). Models of the
+def user_prompt(text: str, config) -> TextPrompt:
+    """A user's prompt as the models read it (it has no metadata: nothing scores it). Models of the
     shapes vocabulary need its words; Hugging Face and diffusers models read any text."""
     words = text.lower().split() if reads_word_ids(config) else text.split()
-    if not reads_word_ids(config):
-        if not words:
-            raise ConfigError(f"--prompt {text!r}: an empty prompt. Nothing was drawn.")
-        return Prompt(" ".join(words), "user", (), None, ())
-    try:
-        ids = encode_words(words)
-    except ValueError as e:
-        raise ConfigError(f"--prompt {text!r}: {e}. Nothing was drawn.") from None
-    return Prompt(" ".join(words), "user", (), None, tuple(ids))
+    if reads_word_ids(config):
+        try:
+            encode_words(words)
+        except ValueError as e:
+            raise ConfigError(f"--prompt {text!r}: {e}. Nothing was drawn.") from None
+    elif not words:
+        raise ConfigError(f"--prompt {text!r}: an empty prompt. Nothing was drawn.")
+    return TextPrompt(" ".join(words))
 
 
 def sample_run(run_dir: Path, text: str, n: int = 4, seed: int = 0, out: Path | None = None) -> dict:
@@ -43,12 +40,8 @@ def sample_run(run_dir: Path, text: str, n: int = 4, seed: int = 0, out: Path | 
     returns {"png", "checkpoint", "refinements" (one dict per image, refiner id -> words)}."""
     config = run_config(run_dir, "--run")
     prompt = user_prompt(text, config)
-    ckpt, weights = checkpoint.latest_weights(run_dir, config.experts.ids())
-    torch.set_num_threads(1)
-    worker = RolloutWorker(config, 0)
-    for eid, state in weights.items():
-        worker.load_weights(eid, checkpoint.step_of(ckpt), state)
-    drawn = worker.draw([prompt] * n, refine=not config.experts.generator_only, tag=f"sample/{seed}")
+    ckpt, pipeline = checkpoint.pipeline_at(run_dir, config)
+    drawn = pipeline.draw([prompt] * n, refine=not config.experts.generator_only, tag=f"sample/{seed}")
     out = out or Path(run_dir) / "samples" / f"{re.sub(r'[^a-z0-9]+', '-', prompt.text.lower()).strip('-')}-seed{seed}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_png(out, grid(drawn["images"], cols=min(n, 8)))

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import torch
 
-from experts.build import build_model
-from experts.flow_sde import sigma_schedule
-from experts.text_encoder import CachedEncoder
-from tasks.shapes import BOS, SEP, known_ids
+from experts.build import seeded_model
+from algorithm.sde import sigma_schedule
+from experts.text_encoder import CachedEncoder, TextEncoder
+from tasks.shapes import BOS, MAX_PROMPT_WORDS, SEP, VOCAB, known_ids
+
+
+def build_text_encoder(config) -> TextEncoder:
+    """The tiny DiT's frozen text encoder over the shapes vocabulary, at its `init` if given."""
+    te = config.experts.text_encoder
+    return seeded_model(config, "text_encoder", lambda: TextEncoder(len(VOCAB), te.d_model, te.n_layers, te.n_heads,
+                                                                    config.text_len()), te.init)
 
 
 class ShapesFrontEnd:
     def __init__(self, config, device: torch.device):
         self.config = config
-        self.encoder = CachedEncoder(build_model(config, "text_encoder").to(device), version=0)
+        self.encoder = CachedEncoder(build_text_encoder(config).to(device), version=0)
         size = config.task.image_size
         self.latent_shape = (3, size, size)
 
@@ -28,10 +35,11 @@ class ShapesFrontEnd:
 
     def condition(self, prompts: list, refinements: list[dict], drop: str | None = None) -> dict[str, torch.Tensor]:
         """The encoder's features of <bos> prompt, then <sep> y_k for each refiner (except `drop`),
-        each refinement's words in the encoder's vocabulary (it cannot read others)."""
-        order = self.config.experts.ids()[:-1]
-        seqs = [(BOS, *p.ids, *[t for e in order if e in refs and e != drop
-                                for t in (SEP, *known_ids(refs[e].words, self.config.expert(e).max_new_tokens))])
+        the prompt's and each refinement's words in the encoder's vocabulary (it cannot read others)."""
+        order = self.config.experts.active_refiners()
+        seqs = [(BOS, *known_ids(p.text.split(), MAX_PROMPT_WORDS),
+                 *[t for e in order if e in refs and e != drop
+                   for t in (SEP, *known_ids(refs[e].words, self.config.expert(e).max_new_tokens))])
                 for p, refs in zip(prompts, refinements)]
         text, text_pad = self.encoder(seqs)
         return {"text": text, "text_pad": text_pad}

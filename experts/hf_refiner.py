@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.reward import Refinement
+from tasks.base import Refinement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # a causal LM's attention projections
@@ -129,7 +129,7 @@ class HFRefiner(nn.Module):
         kept = [t for t, v in zip(tokens, mask) if v and t != self.eos]
         ended = any(t == self.eos for t, v in zip(tokens, mask) if v)
         text, formatted = answer_of(self.tokenizer.decode(kept, skip_special_tokens=True), self.spec.answer_tag)
-        return Refinement(tuple(text.split()), ended, formatted)
+        return Refinement(" ".join(text.split()), ended, formatted)
 
     def synced_state(self) -> dict[str, torch.Tensor]:
         """What a new version consists of: the adapter's weights with LoRA, else every weight."""

@@ -1,4 +1,5 @@
-"""The one transformer block the tiny models share: pre-norm attention + MLP, optional adaLN."""
+"""The one transformer block the tiny models share (pre-norm attention + MLP, optional adaLN), and the
+trunk of embeddings, blocks and final norm that the tiny LM and the text encoder are built on."""
 from __future__ import annotations
 
 import torch
@@ -38,6 +39,29 @@ class Block(nn.Module):
         s1, m1, g1, s2, m2, g2 = self.ada(cond)[:, None].chunk(6, dim=-1)
         x = x + g1 * self.attn(self.norm1(x) * (1 + m1) + s1, allowed)
         return x + g2 * self.mlp(self.norm2(x) * (1 + m2) + s2)
+
+
+class Trunk(nn.Module):
+    """Token and position embeddings, `n_layers` blocks and a final LayerNorm.
+
+    The tiny models derive from it (rather than hold it) so that their state-dict keys are
+    `tok.*`, `pos.*`, `blocks.*`, `norm.*`, and their parameters are created in this order.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_len: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model)
+
+    def trunk(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Normed features (B, L, D) of `ids` at `positions` (broadcastable to ids), attending as
+        the boolean (B, L, L) mask `allowed` says."""
+        x = self.tok(ids) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x, allowed)
+        return self.norm(x)
 
 
 def causal_mask(pad: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experts.layers import Block, causal_mask
-from tasks.reward import Refinement
-from tasks.shapes import BOS, EOS, PAD, SEP, Prompt, decode_ids
+from experts.layers import Trunk, causal_mask
+from tasks.base import Refinement
+from tasks.shapes import BOS, EOS, MAX_PROMPT_WORDS, PAD, SEP, decode_ids, known_ids
 
 
 def left_pad(seqs: list[list[int]]) -> torch.Tensor:
@@ -21,15 +21,11 @@ def left_pad(seqs: list[list[int]]) -> torch.Tensor:
     return torch.tensor([[PAD] * (n - len(s)) + list(s) for s in seqs], dtype=torch.long)
 
 
-class TinyCausalLM(nn.Module):
+class TinyCausalLM(Trunk):
     def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_len: int,
                  max_new_tokens: int, temperature: float):
-        super().__init__()
+        super().__init__(vocab_size, d_model, n_layers, n_heads, max_len)
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.tok = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(max_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
-        self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
         banned = torch.zeros(vocab_size, dtype=torch.bool)
         banned[[PAD, BOS, SEP]] = True
@@ -39,11 +35,7 @@ class TinyCausalLM(nn.Module):
         """Next-token log-probs (B, L, V) at every position of left-padded `seq`, at temperature."""
         pad = seq == PAD
         pos = ((~pad).cumsum(1) - 1).clamp(min=0)
-        x = self.tok(seq) + self.pos(pos)
-        allowed = causal_mask(pad)
-        for block in self.blocks:
-            x = block(x, allowed)
-        logits = self.head(self.norm(x)) / self.temperature
+        logits = self.head(self.trunk(seq, pos, causal_mask(pad))) / self.temperature
         return F.log_softmax(logits.masked_fill(self.banned, float("-inf")), dim=-1)
 
     def context(self, prompts: list[list[int]]) -> torch.Tensor:
@@ -72,12 +64,13 @@ class TinyCausalLM(nn.Module):
             seq = torch.cat([seq, tok[:, None]], 1)
         return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(mask, 1)
 
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
-        return list(prompt.ids)
+    def prompt_ids(self, prompt) -> list[int]:
+        """A prompt record's words as this model reads them (words outside its vocabulary are left out)."""
+        return known_ids(prompt.text.split(), MAX_PROMPT_WORDS)
 
     def refinement(self, tokens: list[int], mask: list[bool]) -> Refinement:
         """The words of the tokens before the end, and whether the model ended them itself."""
-        return Refinement(tuple(decode_ids(t for t in tokens if t not in (PAD, EOS))), EOS in tokens)
+        return Refinement(" ".join(decode_ids(t for t in tokens if t not in (PAD, EOS))), EOS in tokens)
 
     def token_logprobs(self, prompts: list[list[int]], tokens: torch.Tensor, mask=None) -> torch.Tensor:
         """Log-probs (B, M) of the sampled `tokens` given their prompts, with gradients (after the

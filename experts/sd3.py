@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from experts.hf_refiner import DTYPES
+from experts.text_encoder import CacheStats
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the joint attention's projections
 
@@ -117,21 +118,19 @@ class SD3FrontEnd:
         side = config.task.image_size // factor
         self.latent_shape = (self.vae.config.latent_channels, side, side)
         self.cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.hits = self.misses = 0
+        self.stats = CacheStats()
         self.version = 0  # the text encoders never train
         self.device = device
 
     def compose(self, prompt, refs: dict, drop: str | None) -> str:
         """The prompt, then each refiner's refinement (except `drop`), as one text."""
-        order = self.config.experts.ids()[:-1]
-        return ", ".join([prompt.text, *[" ".join(refs[e].words) for e in order
-                                         if e in refs and e != drop and refs[e].words]])
+        order = self.config.experts.active_refiners()
+        return ", ".join([prompt.text, *[refs[e].text for e in order if e in refs and e != drop and refs[e].text]])
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         missing = list(dict.fromkeys(t for t in texts if t not in self.cache))
-        self.misses += sum(t not in self.cache for t in texts)
-        self.hits += len(texts) - sum(t not in self.cache for t in texts)
+        self.stats.count(texts, self.cache)
         if missing:
             embeds, _, pooled, _ = self.pipeline.encode_prompt(
                 prompt=missing, prompt_2=None, prompt_3=None, device=self.device,
@@ -161,6 +160,4 @@ class SD3FrontEnd:
         return self.vae.decode(scaled.to(self.vae.dtype)).sample.float().clamp(-1, 1)
 
     def take_stats(self) -> tuple[int, int]:
-        out = (self.hits, self.misses)
-        self.hits = self.misses = 0
-        return out
+        return self.stats.take()

@@ -14,18 +14,21 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from experts.records import ExpertInfo, Snapshot
+
 
 def write(folder: Path, expert_id: str, weights: dict, optimizer: dict | None = None,
-          info: dict | None = None) -> None:
-    """An expert's snapshot (`ExpertActor.snapshot`): weights {name: array}, an optimizer
-    state_dict or None, and {"version", "last_step"} (a pretrained base has neither)."""
+          info: ExpertInfo | None = None) -> None:
+    """An expert's snapshot (`Expert.snapshot`): weights {name: array}, an optimizer state_dict or
+    None, and its ExpertInfo (a pretrained base has none)."""
     tensors = {f"weights.{k}": torch.tensor(np.asarray(v)).contiguous() for k, v in weights.items()}
     opt = optimizer or {"state": {}, "param_groups": []}
     for pid, entries in opt["state"].items():
         for key, value in entries.items():
             tensors[f"optimizer.{pid}.{key}"] = torch.as_tensor(value).clone().contiguous()
     save_file(tensors, str(folder / f"{expert_id}.safetensors"))
-    meta = {**(info or {"version": 0, "last_step": -1}), "param_groups": opt["param_groups"]}
+    info = info or ExpertInfo(0, -1)
+    meta = {"version": info.version, "last_step": info.last_step, "param_groups": opt["param_groups"]}
     (folder / f"{expert_id}.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -41,7 +44,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return {k[len("weights."):]: v for k, v in read_tensors(Path(path)).items() if k.startswith("weights.")}
 
 
-def read(folder: Path, expert_id: str) -> tuple[dict, dict | None, dict]:
+def read(folder: Path, expert_id: str) -> Snapshot:
     """The (weights, optimizer state_dict, info) that `write` wrote."""
     tensors = read_tensors(folder / f"{expert_id}.safetensors")
     meta = json.loads((folder / f"{expert_id}.json").read_text())
@@ -52,4 +55,4 @@ def read(folder: Path, expert_id: str) -> tuple[dict, dict | None, dict]:
             opt_state.setdefault(int(pid), {})[key] = v
     weights = {k[len("weights."):]: v.numpy() for k, v in tensors.items() if k.startswith("weights.")}
     optimizer = {"state": opt_state, "param_groups": meta["param_groups"]} if meta["param_groups"] else None
-    return weights, optimizer, {"version": meta["version"], "last_step": meta["last_step"]}
+    return Snapshot(weights, optimizer, ExpertInfo(meta["version"], meta["last_step"]))

@@ -6,27 +6,37 @@ the encoder's version unchanged, so its entries keep hitting across those syncs.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from experts.layers import Block, padding_mask
+from experts.layers import Trunk, padding_mask
 from tasks.shapes import PAD
 
 
-class TextEncoder(nn.Module):
-    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_len: int):
-        super().__init__()
-        self.tok = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(max_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
-        self.norm = nn.LayerNorm(d_model)
+class TextEncoder(Trunk):
+    """Bidirectional features of right-padded token ids; its trunk (and so its state dict) is the
+    tiny LM's, without the head."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pad = ids == PAD
-        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))[None]
-        allowed = padding_mask(pad)
-        for block in self.blocks:
-            x = block(x, allowed)
-        return self.norm(x)
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        return self.trunk(ids, positions, padding_mask(ids == PAD))
+
+
+class CacheStats:
+    """Hits and misses of a feature cache, counted until taken."""
+
+    def __init__(self):
+        self.hits = self.misses = 0
+
+    def count(self, keys: list, cache) -> None:
+        """One lookup of each of `keys`, counted before the missing ones are filled in: a hit where
+        `cache` holds the key, else a miss."""
+        n_miss = sum(k not in cache for k in keys)
+        self.hits, self.misses = self.hits + len(keys) - n_miss, self.misses + n_miss
+
+    def take(self) -> tuple[int, int]:
+        """Hits and misses since the last call, and start counting again from zero."""
+        out = (self.hits, self.misses)
+        self.hits = self.misses = 0
+        return out
 
 
 def pad_features(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +57,7 @@ class CachedEncoder:
         self.encoder = encoder.eval().requires_grad_(False)
         self.version = version
         self.cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-        self.hits = self.misses = 0
+        self.stats = CacheStats()
 
     def load(self, state: dict, version: int) -> None:
         """A new encoder version: only then are the cached features stale."""
@@ -59,8 +69,7 @@ class CachedEncoder:
     def __call__(self, seqs: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         keys = [(self.version, tuple(s)) for s in seqs]
         missing = list(dict.fromkeys(k for k in keys if k not in self.cache))
-        n_miss = sum(k not in self.cache for k in keys)
-        self.hits, self.misses = self.hits + len(keys) - n_miss, self.misses + n_miss
+        self.stats.count(keys, self.cache)
         if missing:
             n = max(len(k[1]) for k in missing)
             ids = torch.tensor([list(k[1]) + [PAD] * (n - len(k[1])) for k in missing],
@@ -72,6 +81,4 @@ class CachedEncoder:
 
     def take_stats(self) -> tuple[int, int]:
         """Hits and misses since the last call."""
-        out = (self.hits, self.misses)
-        self.hits = self.misses = 0
-        return out
+        return self.stats.take()

@@ -6,24 +6,14 @@ a term of its own; a term nobody owns is computed on the whole composed refineme
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from tasks.shapes import COUNT_WORDS, SHAPES, STYLE_WORDS, Prompt, image_checks, to_uint8
+from tasks.base import Refinement, to_uint8
+from tasks.shapes import COUNT_WORDS, SHAPES, STYLE_WORDS, Prompt, image_checks
 
 IMAGE_TERMS = ("image",)
 TEXT_TERMS = ("fidelity", "style", "format")
 TERMS = IMAGE_TERMS + TEXT_TERMS
-
-
-@dataclass(frozen=True)
-class Refinement:
-    """One refiner's output for one sample: its words, whether it stopped by itself, and whether it
-    kept to an answer format it was asked for (an HF refiner's `<answer>…</answer>`; None: none asked)."""
-    words: tuple[str, ...]
-    ended: bool
-    formatted: bool | None = None
 
 
 def fidelity(words: tuple[str, ...], prompt: Prompt) -> float:
@@ -51,7 +41,7 @@ def format_term(ref: Refinement) -> float:
 
 def _merge(refs: list[Refinement]) -> Refinement:
     formats = [r.formatted for r in refs if r.formatted is not None]
-    return Refinement(tuple(w for r in refs for w in r.words), all(r.ended for r in refs) if refs else False,
+    return Refinement(" ".join(r.text for r in refs if r.text), all(r.ended for r in refs) if refs else False,
                       all(formats) if formats else None)
 
 
@@ -64,11 +54,6 @@ def text_scores(prompt: Prompt, refinements: dict[str, Refinement], owners: dict
         out[term] = {"fidelity": lambda: fidelity(ref.words, prompt), "style": lambda: style(ref.words),
                      "format": lambda: format_term(ref)}[term]() if ref.words else 0.0
     return out
-
-
-def total_reward(terms: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarray:
-    """The scalar reward: the weighted sum of the named terms."""
-    return sum(w * terms[t] for t, w in weights.items())
 
 
 def shapes_reward(images: np.ndarray, prompts: list[Prompt], refinements: list[dict[str, Refinement]],

@@ -16,11 +16,8 @@ import numpy as np
 FAULTS = ("reward_error", "reward_timeout", "reward_nan")
 
 
-def resolve(spec: str | None):
-    """`package.module:function`, or the built-in shapes reward for None."""
-    if spec is None:
-        from tasks.reward import shapes_reward
-        return shapes_reward
+def resolve(spec: str):
+    """The callable `package.module:function` names."""
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ValueError(f"'{spec}' is not of the form package.module:function")
@@ -31,6 +28,11 @@ def resolve(spec: str | None):
     if not callable(fn):
         raise ValueError(f"the reward '{spec}' is not callable")
     return fn
+
+
+def reward_fn(config, task):
+    """The run's reward: the plug-in `reward.fn` names, else the task's own."""
+    return resolve(config.reward.fn) if config.reward.fn else task.reward
 
 
 class GuardedReward:

@@ -73,6 +73,13 @@ class Prompt:
     relation: str | None = None  # objects[0] is <relation> of objects[1]
     ids: tuple[int, ...] = field(default=(), compare=False)
 
+    @property
+    def metadata(self) -> dict:
+        """The clauses as a plain dict, in GenEval's metadata format: `tag` (the category) and
+        `include` (each object's class, count and colour), with the relation between them."""
+        return {"tag": self.category, "relation": self.relation,
+                "include": [{"class": o.shape, "count": o.count, "color": o.colour} for o in self.objects]}
+
     @staticmethod
     def make(text: str, category: str, objects, relation=None) -> "Prompt":
         return Prompt(text, category, tuple(objects), relation, tuple(encode_words(text.split())))
@@ -207,11 +214,6 @@ class Blob:
     area: int
     cx: float
     cy: float
-
-
-def to_uint8(image: np.ndarray) -> np.ndarray:
-    """A generator image in [-1, 1], (3, H, W), as uint8 (H, W, 3)."""
-    return np.clip((image.transpose(1, 2, 0) + 1) * 127.5, 0, 255).astype(np.uint8)
 
 
 def colour_map(img: np.ndarray, tolerance: float = 70.0) -> np.ndarray:

@@ -11,7 +11,7 @@ import ray
 
 from cluster.runtime import get
 from driver.config import load_config
-from driver.launch import start_driver, stop_driver
+from driver.launch import follow, start_driver, stop_driver
 
 _names = itertools.count()
 
@@ -69,12 +69,12 @@ def run_killing(config, run_dir, kills: list[tuple[int, str]]) -> tuple[list[dic
     import time
     config.trainer.run_name = config.trainer.run_name or f"kill-{next(_names)}"
     driver = start_driver(config, run_dir)
-    done = driver.run.remote()
+    done, seen = driver.run.remote(), 0
     for n, victim in kills:
-        while len(get(driver.poll.remote(0))) < n:
-            if ray.wait([done], timeout=0.05)[0]:
-                get(done)  # raises the run's error, if it failed
-                pytest.fail("the run finished before the kill")
+        seen = follow(driver, done, seen=seen, until=lambda rows, n=n: rows >= n, interval_s=0.05)
+        if seen < n:
+            get(done)  # raises the run's error, if it failed
+            pytest.fail("the run finished before the kill")
         ray.kill(ray.get_actor(f"{config.trainer.run_name}/{victim}", namespace="jointrl"), no_restart=False)
         time.sleep(0.3)
     get(done)

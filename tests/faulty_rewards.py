@@ -8,18 +8,18 @@ from tasks.reward import shapes_reward
 
 def nan_on_counting(images, prompts, refinements, owners):
     terms = shapes_reward(images, prompts, refinements, owners)
-    terms["image"] = np.where([p.category == "counting" for p in prompts], np.nan, terms["image"])
+    terms["image"] = np.where([p.metadata["tag"] == "counting" for p in prompts], np.nan, terms["image"])
     return terms
 
 
 def raises_on_position(images, prompts, refinements, owners):
-    if any(p.category == "position" for p in prompts):
+    if any(p.metadata["tag"] == "position" for p in prompts):
         raise RuntimeError("reward server said no")
     return shapes_reward(images, prompts, refinements, owners)
 
 
 def hangs_on_two_objects(images, prompts, refinements, owners):
-    if any(p.category == "two_objects" for p in prompts):
+    if any(p.metadata["tag"] == "two_objects" for p in prompts):
         time.sleep(1.0)
     return shapes_reward(images, prompts, refinements, owners)
 

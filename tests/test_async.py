@@ -9,7 +9,7 @@ import pytest
 
 import driver.cli as cli
 from driver import checkpoint
-from driver.staleness import lags, within
+from algorithm.staleness import lags, within
 from tests.conftest import assert_same_training, make_config, run_killing, run_training
 
 STEPS = 6

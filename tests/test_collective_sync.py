@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cluster.collective import flatten, layout, unflatten
-from cluster.weight_sync import fingerprint
+from experts.weights import fingerprint
 from tests.conftest import assert_same_training, make_config, run_killing, run_training
 
 STEPS = 5

@@ -73,3 +73,69 @@ def test_eval_of_a_missing_or_empty_run_exits_2(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text("trainer: {steps: 1}\n")
     assert cli.main(["eval", "--run", str(tmp_path)]) == 2
     assert "no checkpoints" in capsys.readouterr().err
+
+
+def _sections(model, where="Config"):
+    """(where, model) of every config section below `model`: nested sections, list items, model kinds."""
+    from driver.config_docs import models_of
+    yield where, model
+    for name, field in model.model_fields.items():
+        for section in models_of(field.annotation):
+            yield from _sections(section, f"{where}.{name}")
+
+
+def test_every_key_has_a_description():
+    from driver.config import Config
+    undocumented = [f"{where}.{name}" for where, model in _sections(Config)
+                    for name, field in model.model_fields.items() if not (field.description or "").strip()]
+    assert not undocumented
+
+
+def test_config_keys_lists_every_key_with_its_type(capsys):
+    assert cli.main(["config", "keys"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    for key in ("trainer.steps", "experts.generator.sde_window", "experts.refiner_<i>.lr", "cluster.max_staleness",
+                "experts.generator.model.d_model", "experts.refiner_<i>.model.lora.r"):
+        assert key in rows, key
+    assert "int > 0" in rows["trainer.steps"] and "training steps" in rows["trainer.steps"]
+    assert "[diffusers_flow]" in rows["experts.generator.model.guidance_scale"]
+
+
+def test_config_show_prints_values_descriptions_and_defaults(capsys, tmp_path):
+    assert cli.main(["config", "show", "--config", "shapes-tiny", "--set", "trainer.steps=7"]) == 0
+    out = capsys.readouterr().out
+    steps = next(line for line in out.splitlines() if line.strip().startswith("steps: 7"))
+    assert "training steps" in steps and "(default 40)" in steps
+    assert any(line.strip().startswith("n_train_prompts: 48  # ") and "default" not in line
+               for line in out.splitlines())
+    (tmp_path / "shown.yaml").write_text(out)  # what show prints loads back as the same config
+    assert load_config(str(tmp_path / "shown.yaml")) == load_config("shapes-tiny", ["trainer.steps=7"])
+
+
+def test_config_show_of_a_bad_key_exits_2_naming_it(capsys):
+    assert cli.main(["config", "show", "--set", "bogus.key=1"]) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("name", ["shapes", "shapes-tiny", "gpu", "shapes-cluster"])
+def test_each_yaml_preset_loads_as_its_name(name):
+    from importlib.resources import files
+    path = files("configs") / f"{name}.yaml"
+    assert path.read_text().startswith("#")  # a header says what it is for
+    assert load_config(str(path)).model_dump() == load_config(name).model_dump()
+
+
+def test_unknown_config_lists_the_presets():
+    with pytest.raises(ConfigError, match="shapes-tiny") as e:
+        load_config("no-such-preset")
+    assert all(name in str(e.value) for name in ("shapes", "gpu", "shapes-cluster"))
+
+
+def test_expert_ids_map_to_their_sections():
+    cfg = load_config("shapes", ["experts.n_refiners=2", "experts.refiner_1.lr=0.01"])
+    assert cfg.experts.ids() == ["refiner_0", "refiner_1", "generator"]
+    assert cfg.expert("refiner_1").lr == 0.01 and cfg.expert("generator") is cfg.experts.generator
+    assert cfg.owners() == {"fidelity": ["refiner_0"], "style": ["refiner_1"]}
+    only = load_config("shapes", ["experts.generator_only=true"])
+    assert only.experts.ids() == ["generator"] and only.expert("refiner_0") is only.experts.refiners[0]

@@ -115,7 +115,7 @@ def test_dockerfile_pins_torch_then_installs_the_project_in_the_image_the_manife
     torch_at = next(i for i, s in enumerate(steps) if '"torch==' in s)
     project_at = next(i for i, s in enumerate(steps) if re.search(r"pip install --no-cache-dir \"?\.", s))
     assert torch_at < project_at and "--index-url" in steps[torch_at]
-    for package in ("cluster", "experts", "driver", "tasks"):
+    for package in ("algorithm", "cluster", "configs", "experts", "driver", "tasks"):
         assert f"COPY --chown=ray:users {package} ./{package}" in dockerfile
     images = {launcher["docker"]["image"]}
     for group in [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]:

@@ -10,12 +10,12 @@ from PIL import Image
 from safetensors import safe_open
 
 import driver.cli as cli
-from cluster.rollout import RolloutWorker
-from cluster.weight_sync import fingerprint
-from experts.actor import ExpertActor
-from experts.build import build_model
+from algorithm.batch import Sample
+from cluster.expert_actor import ExpertActor
+from cluster.rollout_worker import RolloutWorker
 from experts.hf_refiner import answer_of
-from experts.weights import model_tensors, synced_state, to_arrays
+from experts.kinds import build_model
+from experts.weights import fingerprint, model_tensors, synced_state, to_arrays
 from tasks.shapes import prompt_set
 from tests.conftest import assert_same_training, looks_like_a_picture, make_config, run_training
 
@@ -63,21 +63,20 @@ def worker_batch(cfg):
     experts = {e: ExpertActor(cfg, e) for e in cfg.experts.ids()}
     for e, expert in experts.items():
         worker.load_weights(e, 0, expert.weights())
-    items = [{"sample": i, "group": i // 4, "prompt": p, "refine": i % 4 < 3}
-             for i, p in enumerate(prompt_set(2, seed=0) * 4)]
+    items = [Sample(i, i // 4, p, i % 4 < 3) for i, p in enumerate(prompt_set(2, seed=0) * 4)]
     return worker, experts, items
 
 
 def test_lora_experts_sync_only_their_adapter_and_keep_the_base_as_reference(models):
     cfg = hf_config(models)
     worker, experts, items = worker_batch(cfg)
-    _, refiner_batch, trajectories = worker.rollout(0, items)
-    for eid, batch in (("refiner_1", refiner_batch), ("generator", trajectories)):
+    _, trajectories, tokens = worker.run(0, items)
+    for eid, batch in (("refiner_1", tokens["refiner_1"]), ("generator", trajectories)):
         expert = experts[eid]
         adapter = {k: v.clone() for k, v in synced_state(expert.model).items()}
         assert adapter and all("lora_" in k for k in adapter)
         assert len(adapter) < len(expert.model.state_dict()) / 2
-        n = len(refiner_batch["refiner_1"]["prompts"]) if eid == "refiner_1" else len(items)
+        n = len(tokens["refiner_1"]["prompts"]) if eid == "refiner_1" else len(items)
         before = {k: v.clone() for k, v in expert.model.state_dict().items() if "lora_" not in k}
         stats = expert.update(0, 0, np.linspace(-1, 1, n), batch)
         assert stats["version"] == 1 and np.isfinite(stats["loss"])
@@ -87,7 +86,7 @@ def test_lora_experts_sync_only_their_adapter_and_keep_the_base_as_reference(mod
     # the LoRA refiner's reference is its base: with the adapter off, it scores as a fresh base does
     ref = experts["refiner_1"].reference
     fresh = build_model(hf_config(models, "experts.refiner_1.model.lora=null"), "refiner_1")
-    b = refiner_batch["refiner_1"]
+    b = tokens["refiner_1"]
     args = (b["prompts"], torch.tensor(b["tokens"]), torch.tensor(b["mask"]))
     torch.testing.assert_close(ref.token_logprobs(*args), fresh.token_logprobs(*args).detach())
 
@@ -95,13 +94,13 @@ def test_lora_experts_sync_only_their_adapter_and_keep_the_base_as_reference(mod
 def test_sd3_generator_log_probs_match_and_the_text_cache_hits(models):
     cfg = hf_config(models)
     worker, experts, items = worker_batch(cfg)
-    meta, _, trajectories = worker.rollout(0, items)
+    meta, trajectories, _ = worker.run(0, items)
     assert trajectories["sde"].tolist() == [True, True, False, False]
     assert (trajectories["logps"][:, 2:] == 0).all() and (trajectories["logps"][:, :2] != 0).all()
     assert set(trajectories["cond"]) == {"prompt_embeds", "pooled", "negative_embeds", "negative_pooled"}
-    assert meta["cache_misses"] > 0
-    again, _, _ = worker.rollout(0, items)
-    assert again["cache_misses"] == 0 and again["cache_hits"] > 0  # the same composed texts
+    assert meta.cache_misses > 0
+    again = worker.run(0, items).meta
+    assert again.cache_misses == 0 and again.cache_hits > 0  # the same composed texts
     gen = experts["generator"]
     stats = gen.update(0, 0, np.zeros(len(items)), trajectories)
     assert abs(stats["ratio_mean"] - 1.0) < 1e-4  # the recorded log-probs are the policy's

@@ -7,7 +7,7 @@ import yaml
 
 import driver.cli as cli
 from experts import state_file
-from experts.build import build_model
+from experts.kinds import build_model
 from tests.conftest import make_config, mean, run_training
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -129,7 +129,7 @@ def test_cli_trains_on_ray_and_writes_the_contract(tmp_path, capsys):
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["versions"] == {e: 2 for e in ids}
     weights, optimizer, info = state_file.read(ckpt, "generator")
-    assert info == {"version": 2, "last_step": 1} and weights and optimizer["state"]
+    assert (info.version, info.last_step) == (2, 1) and weights and optimizer["state"]
     assert cli.main(["eval", "--run", str(run_dir)]) == 0
     report = json.loads((run_dir / "eval.json").read_text())
     for name in ("held_out", "paraphrased"):

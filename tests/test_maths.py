@@ -3,11 +3,12 @@ import numpy as np
 import torch
 
 from driver.config import load_config
-from driver.credit import advantages, group_normalise
-from experts.build import build_model
-from experts.flow_sde import gaussian_logp, sample, sde_mean_std, sde_steps, sigma_schedule
+from algorithm.credit import advantages, group_normalise
+from experts.frontend import build_text_encoder
+from experts.kinds import build_model
+from algorithm.sde import gaussian_logp, sample, sde_mean_std, sde_steps, sigma_schedule
 from experts.text_encoder import CachedEncoder
-from experts.updates import generator_loss, kl3, ppo_clip_objective, refiner_loss
+from algorithm.losses import generator_loss, kl3, ppo_clip_objective, refiner_loss
 from tasks.shapes import BOS, prompt_set
 
 CFG = load_config("shapes-tiny")
@@ -30,7 +31,7 @@ def test_sde_logprob_equals_torch_normal():
 
 def _trajectories(n=4, steps=4, window=None):
     prompts = prompt_set(n, seed=1)
-    encoder = CachedEncoder(build_model(CFG, "text_encoder"))
+    encoder = CachedEncoder(build_text_encoder(CFG))
     text, pad = encoder([(BOS, *p.ids) for p in prompts])
     dit = build_model(CFG, "generator")
     noise = torch.randn(n, steps + 1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
@@ -122,18 +123,20 @@ def test_credit_modes_route_the_right_terms():
     groups, refined = np.zeros(4, int), np.array([True, True, True, False])
     w = {"image": 1.0, "style": 1.0}
     per = advantages("per_expert", terms, w, groups, refined, {"refiner_0": ["style"]}, 5.0)
-    assert per["refiner_0"][0] > 0 and per["refiner_0"][1] < 0 and per["refiner_0"][3] == 0
+    assert per.refiners["refiner_0"][0] > 0 and per.refiners["refiner_0"][1] < 0 and per.refiners["refiner_0"][3] == 0
     shared = advantages("shared", terms, w, groups, refined, {"refiner_0": ["style"]}, 5.0)
-    np.testing.assert_allclose(shared["refiner_0"][:3], shared["generator"][:3])
-    np.testing.assert_allclose(per["generator"], shared["generator"])
-    owned = {"refiner_0": ["style"], "generator": ["image"]}
+    np.testing.assert_allclose(shared.refiners["refiner_0"][:3], shared.generator[:3])
+    np.testing.assert_allclose(per.generator, shared.generator)
+    owned = {"refiner_0": ["style"]}
     image_only = group_normalise(terms["image"], groups, np.ones(4, bool), 5.0)
     for mode in ("per_expert", "counterfactual"):
         without = {"refiner_0": np.full(4, 0.5)}
-        np.testing.assert_allclose(advantages(mode, terms, w, groups, refined, owned, 5.0, without)["generator"],
+        np.testing.assert_allclose(advantages(mode, terms, w, groups, refined, owned, 5.0, without,
+                                              generator_terms=["image"]).generator,
                                    image_only)   # the style term is not the generator's doing
-    np.testing.assert_allclose(advantages("shared", terms, w, groups, refined, owned, 5.0)["generator"],
-                               shared["generator"])  # shared credit is shared, whatever is owned
+    np.testing.assert_allclose(advantages("shared", terms, w, groups, refined, owned, 5.0,
+                                          generator_terms=["image"]).generator,
+                               shared.generator)  # shared credit is shared, whatever is owned
 
 
 def test_kl3_nonnegative_and_zero_at_equality():
@@ -148,5 +151,5 @@ def test_counterfactual_advantage_is_the_normalised_difference_reward():
     groups, refined = np.zeros(4, int), np.array([True, True, True, False])
     adv = advantages("counterfactual", terms, {"image": 1.0}, groups, refined, {"refiner_0": []}, 5.0, without)
     d = np.array([0.8, 0.0, 0.0])
-    np.testing.assert_allclose(adv["refiner_0"][:3], (d - d.mean()) / (d.std() + 1e-4))
-    assert adv["refiner_0"][3] == 0.0
+    np.testing.assert_allclose(adv.refiners["refiner_0"][:3], (d - d.mean()) / (d.std() + 1e-4))
+    assert adv.refiners["refiner_0"][3] == 0.0

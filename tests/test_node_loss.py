@@ -29,7 +29,7 @@ def scenario(out: Path) -> dict:
     from ray.cluster_utils import Cluster
 
     from cluster.runtime import get
-    from driver.launch import start_driver
+    from driver.launch import follow, start_driver
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "_system_config": FAST_HEALTH_CHECKS})
@@ -39,12 +39,12 @@ def scenario(out: Path) -> dict:
         get(start_driver(config("inline", "node-loss-reference"), out / "reference").run.remote())
         driver = start_driver(config("ray", "node-loss"), out / "ray")
         done = driver.run.remote()
-        removed = []
+        removed, seen = [], 0
         for after, victim in ((2, "expert/refiner_0"), (4, "rollout/1")):
-            while len(get(driver.poll.remote(0))) < after:
-                if ray.wait([done], timeout=0.05)[0]:
-                    get(done)
-                    raise AssertionError("the run finished before the node was removed")
+            seen = follow(driver, done, seen=seen, until=lambda n, after=after: n >= after, interval_s=0.05)
+            if seen < after:
+                get(done)
+                raise AssertionError("the run finished before the node was removed")
             node_id = get(ray.get_actor(f"node-loss/{victim}").node.remote())
             node = next(n for n in pool_nodes if n.node_id == node_id)
             cluster.remove_node(node, allow_graceful=False)

@@ -7,7 +7,8 @@ import torch
 import driver.cli as cli
 from driver.pretrain import base_dir, caption_batch, flow_matching_loss, pretrain, pretrain_all
 from experts import state_file
-from experts.build import build_model
+from experts.frontend import build_text_encoder
+from experts.kinds import build_model
 from tasks.shapes import EOS, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, colour_map, prompt_set
 from tests.conftest import make_config
 
@@ -54,7 +55,7 @@ def test_refiners_start_from_a_cached_supervised_base_that_writes_style_details(
 def test_flow_matching_loss_falls_on_rendered_pairs():
     cfg = make_config(*SMALL, preset="shapes-tiny")
     torch.manual_seed(0)
-    gen, enc = build_model(cfg, "generator"), build_model(cfg, "text_encoder")
+    gen, enc = build_model(cfg, "generator"), build_text_encoder(cfg)
     opt = torch.optim.AdamW([*gen.parameters(), *enc.parameters()], lr=3e-3)
     ids, images = caption_batch(np.random.default_rng(0), 16, 32)
     losses = []

@@ -2,8 +2,10 @@
 import numpy as np
 import pytest
 
-from cluster.rollout import RolloutWorker
-from experts.actor import ExpertActor, StaleExpert
+from algorithm.batch import Sample
+from cluster.expert_actor import ExpertActor
+from cluster.rollout_worker import RolloutWorker
+from experts.expert import StaleExpert
 from tests.conftest import make_config
 from tasks.shapes import prompt_set
 
@@ -12,7 +14,7 @@ CFG = make_config("experts.n_refiners=2", preset="shapes-tiny")
 
 def _items(n_groups=2, refine_per_group=3, skip=1):
     prompts = prompt_set(n_groups, seed=0)
-    return [{"sample": g * 4 + k, "group": g, "prompt": prompts[g], "refine": k < refine_per_group}
+    return [Sample(g * 4 + k, g, prompts[g], k < refine_per_group)
             for g in range(n_groups) for k in range(refine_per_group + skip)]
 
 
@@ -27,36 +29,36 @@ def _synced_worker():
 def test_refiner_sync_keeps_the_text_encoder_cache_and_bumps_only_that_version():
     worker, experts = _synced_worker()
     items = _items()
-    worker.rollout(0, items)
+    worker.run(0, items)
     cached = dict(worker.frontend.encoder.cache)
     assert cached
-    refiner_batch = worker.rollout(0, items)[1]
-    adv = np.ones(len(refiner_batch["refiner_0"]["prompts"]))
-    stats = experts["refiner_0"].update(0, 0, adv, refiner_batch)
+    tokens = worker.run(0, items).tokens["refiner_0"]
+    adv = np.ones(len(tokens["prompts"]))
+    stats = experts["refiner_0"].update(0, 0, adv, tokens)
     worker.load_weights("refiner_0", stats["version"], experts["refiner_0"].weights())
     assert worker.version_vector() == {"refiner_0": 1, "refiner_1": 0, "generator": 0, "text_encoder": 0}
     assert all(k in worker.frontend.encoder.cache for k in cached)   # a refiner sync invalidates nothing
     worker.frontend.encoder.take_stats()
-    meta, _, _ = worker.rollout(1, items)
-    assert meta["cache_hits"] >= 2                          # the unrefined prompts hit
-    assert all(v == worker.version_vector() for v in meta["versions"])
+    meta = worker.run(1, items).meta
+    assert meta.cache_hits >= 2                             # the unrefined prompts hit
+    assert all(v == worker.version_vector() for v in meta.versions)
 
 
 def test_rollout_is_a_function_of_seed_step_and_sample_not_of_batching():
     worker, _ = _synced_worker()
     items = _items()
-    whole, _, traj = worker.rollout(3, items)
-    halves = [worker.rollout(3, items[:4])[0], worker.rollout(3, items[4:])[0]]
-    for t in whole["terms"]:
-        np.testing.assert_allclose(whole["terms"][t], np.concatenate([h["terms"][t] for h in halves]), atol=1e-6)
-    assert whole["refinements"] == halves[0]["refinements"] + halves[1]["refinements"]
-    again = worker.rollout(3, items)[2]
+    whole, traj, _ = worker.run(3, items)
+    halves = [worker.run(3, items[:4]).meta, worker.run(3, items[4:]).meta]
+    for t in whole.terms:
+        np.testing.assert_allclose(whole.terms[t], np.concatenate([h.terms[t] for h in halves]), atol=1e-6)
+    assert whole.refinements == halves[0].refinements + halves[1].refinements
+    again = worker.run(3, items).trajectories
     np.testing.assert_array_equal(traj["states"], again["states"])
 
 
 def test_expert_update_is_idempotent_by_step():
     worker, experts = _synced_worker()
-    _, _, traj = worker.rollout(0, _items())
+    traj = worker.run(0, _items()).trajectories
     gen = experts["generator"]
     adv = np.linspace(-1, 1, len(traj["logps"]))
     first = gen.update(0, 0, adv, traj)
@@ -74,7 +76,7 @@ def test_generator_starts_from_an_init_checkpoint(tmp_path):
     from driver.config import ConfigError
     trained = ExpertActor(CFG, "generator")
     worker, _ = _synced_worker()
-    _, _, traj = worker.rollout(0, _items())
+    traj = worker.run(0, _items()).trajectories
     trained.update(0, 0, np.linspace(-1, 1, len(traj["logps"])), traj)
     path = checkpoint.save(tmp_path, 1, {"generator": trained.snapshot()}) / "generator.safetensors"
     cfg = make_config("experts.n_refiners=2", f"experts.generator.init={path}", preset="shapes-tiny")
@@ -104,39 +106,39 @@ def test_counterfactual_of_an_empty_refinement_is_the_sample_itself():
     with torch.no_grad():  # refiner_1 always stops at once: y_1 is empty
         head.bias.fill_(-1e4)
         head.bias[EOS] = 1e4
-    meta, _, _ = worker.rollout(0, _items())
-    refined = np.array([it["refine"] for it in _items()])
-    total = sum(w * meta["terms"][t] for t, w in cfg.reward.weights.items())
-    assert all(r["refiner_1"] == "" for r, f in zip(meta["refinements"], refined) if f)
-    np.testing.assert_array_equal(meta["counterfactual"]["refiner_1"][refined], total[refined])
-    assert np.isnan(meta["counterfactual"]["refiner_1"][~refined]).all()
-    assert not np.allclose(meta["counterfactual"]["refiner_0"][refined], total[refined])
+    meta = worker.run(0, _items()).meta
+    refined = np.array([it.refine for it in _items()])
+    total = sum(w * meta.terms[t] for t, w in cfg.reward.weights.items())
+    assert all(r["refiner_1"] == "" for r, f in zip(meta.refinements, refined) if f)
+    np.testing.assert_array_equal(meta.counterfactual["refiner_1"][refined], total[refined])
+    assert np.isnan(meta.counterfactual["refiner_1"][~refined]).all()
+    assert not np.allclose(meta.counterfactual["refiner_0"][refined], total[refined])
 
 
 def test_refiner_that_cannot_change_the_image_gets_zero_counterfactual_advantage():
     import torch
 
-    from driver.credit import advantages
+    from algorithm.credit import advantages
     cfg, worker = _counterfactual_worker("reward.weights={image: 1.0}", "experts.refiner_0.owns=[image]",
                                          "experts.refiner_1.owns=[image]")
     with torch.no_grad():  # a generator whose velocity is 0 whatever the text: images ignore refinements
         worker.models["generator"].out.weight.zero_()
         worker.models["generator"].out.bias.zero_()
     items = _items()
-    meta, _, _ = worker.rollout(0, items)
-    groups, refined = np.array([it["group"] for it in items]), np.array([it["refine"] for it in items])
-    adv = advantages("counterfactual", meta["terms"], cfg.reward.weights, groups, refined,
-                     {"refiner_0": ["image"], "refiner_1": ["image"]}, 5.0, meta["counterfactual"])
-    assert np.array_equal(adv["refiner_0"], np.zeros(len(items)))
-    assert np.array_equal(adv["refiner_1"], np.zeros(len(items)))
+    meta = worker.run(0, items).meta
+    groups, refined = np.array([it.group for it in items]), np.array([it.refine for it in items])
+    adv = advantages("counterfactual", meta.terms, cfg.reward.weights, groups, refined,
+                     {"refiner_0": ["image"], "refiner_1": ["image"]}, 5.0, meta.counterfactual)
+    assert np.array_equal(adv.refiners["refiner_0"], np.zeros(len(items)))
+    assert np.array_equal(adv.refiners["refiner_1"], np.zeros(len(items)))
 
 
 def test_counterfactual_fraction_bounds_the_extra_generations():
     _, worker = _counterfactual_worker("algorithm.counterfactual_fraction=0.5")
     items = _items(n_groups=6)
-    meta, _, _ = worker.rollout(0, items)
-    drawn = sum((~np.isnan(v)).sum() for v in meta["counterfactual"].values())
-    n_refined = sum(it["refine"] for it in items)
+    meta = worker.run(0, items).meta
+    drawn = sum((~np.isnan(v)).sum() for v in meta.counterfactual.values())
+    n_refined = sum(it.refine for it in items)
     assert 0 < drawn < 2 * n_refined
 
 
@@ -146,12 +148,12 @@ def test_a_rollout_is_made_with_the_versions_it_names_even_after_a_newer_one_arr
     from cluster.recovery import NotSynced
     worker, experts = _synced_worker()
     items = _items()
-    before = worker.rollout(0, items)[2]["states"]
-    stats = experts["generator"].update(0, 0, np.ones(len(items)), worker.rollout(0, items)[2])
+    before = worker.rollout(0, items)[1]["states"]
+    stats = experts["generator"].update(0, 0, np.ones(len(items)), worker.rollout(0, items)[1])
     worker.load_weights("generator", stats["version"], experts["generator"].weights())  # overtakes the rollout
     named = {"refiner_0": 0, "refiner_1": 0, "generator": 0}
-    np.testing.assert_array_equal(worker.rollout(0, items, named)[2]["states"], before)
-    newer = worker.rollout(0, items, {**named, "generator": 1})[2]["states"]
+    np.testing.assert_array_equal(worker.rollout(0, items, named)[1]["states"], before)
+    newer = worker.rollout(0, items, {**named, "generator": 1})[1]["states"]
     assert not np.array_equal(newer, before)
     with pytest.raises(NotSynced, match="generator"):  # v0 is forgotten once a rollout named v1
         worker.rollout(0, items, named)

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from tasks.reward import TERMS, Refinement, format_term, shapes_reward, text_scores
+from tasks.base import Refinement
+from tasks.reward import TERMS, format_term, shapes_reward, text_scores
 from tasks.shapes import (CATEGORIES, ObjectClause, Prompt, encode_words, image_checks, make_prompt, render,
                           strict_correct)
 
@@ -49,7 +50,7 @@ def test_blank_image_scores_zero_and_terms_are_in_unit_interval():
     prompts = [make_prompt(c, np.random.default_rng(i)) for i, c in enumerate(CATEGORIES)]
     blank = -np.ones((len(prompts), 3, 32, 32), np.float32)
     noise = np.random.default_rng(0).uniform(-1, 1, blank.shape).astype(np.float32)
-    refs = [{"refiner_0": Refinement(("bright", "red", "circle"), True)} for _ in prompts]
+    refs = [{"refiner_0": Refinement("bright red circle", True)} for _ in prompts]
     for images in (blank, noise):
         terms = shapes_reward(images, prompts, refs, {"style": ["refiner_0"]})
         assert set(terms) == set(TERMS)
@@ -59,14 +60,14 @@ def test_blank_image_scores_zero_and_terms_are_in_unit_interval():
 
 def test_text_terms_are_computed_on_the_owners_tokens():
     prompt = P("a red circle", "single_object", [O("circle", "red")])
-    refs = {"refiner_0": Refinement(("red", "circle"), True), "refiner_1": Refinement(("sharp", "vivid", "bold"), True)}
+    refs = {"refiner_0": Refinement("red circle", True), "refiner_1": Refinement("sharp vivid bold", True)}
     owners = {"fidelity": ["refiner_0"], "style": ["refiner_1"]}
     s = text_scores(prompt, refs, owners)
     assert s["fidelity"] == 1.0 and s["style"] == 1.0
     assert text_scores(prompt, refs, {"fidelity": ["refiner_1"]})["fidelity"] == 0.0
     assert text_scores(prompt, {}, owners) == {"fidelity": 0.0, "style": 0.0, "format": 0.0}
-    assert format_term(Refinement(("a", "a"), False)) == pytest.approx(1 / 3)
-    assert format_term(Refinement(("red", "circle"), True)) == 1.0
+    assert format_term(Refinement("a a", False)) == pytest.approx(1 / 3)
+    assert format_term(Refinement("red circle", True)) == 1.0
 
 
 def test_bad_prompts_are_named():

@@ -4,9 +4,9 @@ copying them (`cluster.share_weights`)."""
 import numpy as np
 import pytest
 
-from cluster.rollout import RolloutWorker
-from cluster.weight_sync import CorruptWeights, fingerprint
-from experts.actor import ExpertActor
+from cluster.expert_actor import ExpertActor
+from cluster.rollout_worker import CorruptWeights, RolloutWorker
+from experts.weights import fingerprint
 from tests.conftest import make_config
 
 

@@ -3,7 +3,9 @@
 With `cluster.max_staleness=k` the rollout for step t+k is made while step t updates, so a sample
 is up to k versions behind an expert by the time that expert learns from it. Each sample's version
 vector is checked per expert: one further behind than k is dropped (and counted); one ahead of an
-expert was made with weights that expert never published, a bug the run must not hide.
+expert was made with weights that expert never published, a bug the run must not hide. The lag
+that remains is corrected by the update rules' importance ratio against the rollout's log-probs
+(PPO's clipped ratio, as in asynchronous RLHF, arXiv 2410.18252).
 """
 from __future__ import annotations
 

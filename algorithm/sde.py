@@ -1,11 +1,16 @@
 """Flow-GRPO's SDE sampler for a rectified-flow model, with per-step Gaussian log-probs.
 
-Convention (SD3): x_sigma = (1 - sigma) x_data + sigma noise, sampled from sigma = 1 down to 0.
-With Delta = sigma_next - sigma < 0 and noise level a:
+Flow-GRPO (arXiv 2505.05470, sec. 4.2, eq. 9-12) turns the flow's deterministic ODE into an SDE
+with the same marginals, so that each sampling step is a Gaussian policy whose log-probability the
+PPO ratio can use. Convention (SD3): x_sigma = (1 - sigma) x_data + sigma noise, sampled from
+sigma = 1 down to 0. With Delta = sigma_next - sigma < 0 and noise level a (eq. 12's sigma_t):
     std_t = a * sqrt(sigma / (1 - sigma))
     mean  = x (1 + std_t^2 Delta / (2 sigma)) + v (1 + std_t^2 (1 - sigma) / (2 sigma)) Delta
     x_next = mean + std_t sqrt(-Delta) eps
-At sigma = 1 the denominator uses the next sigma instead (as Flow-GRPO does), keeping std finite.
+At sigma = 1 the denominator uses the next sigma instead (as Flow-GRPO's code does), keeping std
+finite. The log-prob is averaged over every dimension but the batch, as Flow-GRPO's
+`sde_step_with_logprob` does (not summed). Steps outside an SDE window are plain Euler ODE steps
+(Flow-GRPO-Fast trains on a window of steps only).
 """
 from __future__ import annotations
 

@@ -1,0 +1,80 @@
+"""Credit assignment: which advantage each expert learns from.
+
+Every advantage is GRPO's group-relative one (arXiv 2402.03300, eq. 3, outcome supervision):
+A_i = (R_i - mean(R_group)) / (std(R_group) + 1e-4), clipped to +-`adv_clip`. Conventions: the
+population std (no Bessel correction; TRL's is sqrt(G/(G-1)) larger), statistics per prompt group
+(Flow-GRPO's per-prompt tracker, arXiv 2505.05470 sec. 4.1), over the samples an expert is
+credited for only.
+
+shared:      every expert uses the total reward's advantage over the whole group, as PromptRL
+             trains its rewriter and its flow model from one reward (arXiv 2602.01382 sec. 3); the
+             group's unrefined samples are the in-group baseline (PromptRL's prompt retention).
+per_expert:  refiner k uses the advantage of the terms it owns, normalised over the group's samples
+             that it refined; the generator uses the total, or the terms it owns if the config
+             says (`experts.generator.owns`, e.g. [image]: text terms are not its doing).
+counterfactual: refiner k uses the difference reward D_k = R - R(without y_k), where R(without y_k)
+             is the same sample regenerated from the same noise with y_k dropped; normalised over
+             the group's samples that have one. This is the difference reward of multi-agent credit
+             assignment (Wolpert & Tumer 2001; COMA's counterfactual baseline, arXiv 1705.08926)
+             with the default action "no refinement": it needs no hand-made decomposition of the
+             reward, and the shared noise makes R and R(without y_k) differ only by y_k. The
+             generator is credited as in per_expert.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+
+def total_reward(terms: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarray:
+    """The scalar reward: the weighted sum of the named terms."""
+    return sum(w * terms[t] for t, w in weights.items())
+
+
+def group_normalise(values: np.ndarray, groups: np.ndarray, include: np.ndarray, clip: float) -> np.ndarray:
+    """A = clip((R - mean) / (std + 1e-4), +-clip) within each group over `include`; 0 elsewhere."""
+    adv = np.zeros_like(values, dtype=np.float64)
+    for g in np.unique(groups):
+        sel = (groups == g) & include
+        if sel.any():
+            r = values[sel]
+            adv[sel] = np.clip((r - r.mean()) / (r.std() + 1e-4), -clip, clip)
+    return adv
+
+
+class Advantages(NamedTuple):
+    """Per sample, the generator's advantage and each refiner's (nonzero only where it refined)."""
+    generator: np.ndarray
+    refiners: dict[str, np.ndarray]
+
+
+def advantages(mode: str, terms: dict[str, np.ndarray], weights: dict[str, float], groups: np.ndarray,
+               refined: np.ndarray, owns: dict[str, list[str]], clip: float,
+               counterfactual: dict[str, np.ndarray] | None = None, valid: np.ndarray | None = None,
+               generator_terms: list[str] | None = None) -> Advantages:
+    """Every expert's advantage of every sample. `owns` maps each refiner to the terms it is
+    credited with, `generator_terms` the generator's (None: the total); samples not `valid`
+    (their reward failed) get 0 and are left out of every group's statistics."""
+    everyone = np.ones_like(refined, dtype=bool) if valid is None else np.asarray(valid, bool)
+    refined = refined & everyone
+    total = total_reward(terms, weights)
+    shared = group_normalise(total, groups, everyone, clip)
+    generator = shared
+    if generator_terms and mode != "shared":
+        generator = group_normalise(total_reward(terms, {t: weights[t] for t in generator_terms}), groups, everyone, clip)
+    refiners = {}
+    for eid, owned in owns.items():
+        if mode == "shared":
+            refiners[eid] = np.where(refined, shared, 0.0)
+        elif mode == "per_expert":
+            own = total_reward(terms, {t: weights[t] for t in owned})
+            refiners[eid] = group_normalise(own, groups, refined, clip)
+        elif mode == "counterfactual":
+            without = counterfactual[eid]
+            drawn = refined & ~np.isnan(without)
+            refiners[eid] = group_normalise(np.where(drawn, total - np.nan_to_num(without), 0.0), groups, drawn, clip)
+        else:
+            raise ValueError(f"credit mode {mode!r} is not implemented")
+    return Advantages(generator, refiners)

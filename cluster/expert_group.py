@@ -1,0 +1,150 @@
+"""`ExpertGroup`: the run's experts as the driver sees them — spawned, their snapshots in the
+driver's custody, each update applied exactly once, each new version published to the workers.
+
+After every update the group keeps each expert's snapshot (weights, optimizer state, info) as
+ObjectRefs it owns, on the driver's node. A killed expert is restarted by Ray, restored from its
+last snapshot and given the step's update again; an update names the version it starts from, so a
+restarted instance refuses instead of silently starting over. A killed weight-sync actor or worker
+during a publish is survived by delivering every published version again.
+"""
+from __future__ import annotations
+
+from ray.exceptions import ObjectLostError
+
+from cluster.expert_actor import ExpertActor
+from cluster.recovery import FaultCounts, RolloutLost, SnapshotLost, keep_here, survive
+from cluster.runtime import Runtime, get
+from cluster.weight_sync import SyncResult, WeightSyncActor
+from experts.expert import StaleExpert
+from experts.kinds import expert_kind
+from experts.records import Release, Snapshot
+
+
+class ExpertGroup:
+    def __init__(self, config, runtime: Runtime, faults: FaultCounts, workers: list, states: dict | None = None,
+                 expert_cls=ExpertActor):
+        """`workers`: the rollout workers the experts publish to. `states`: each expert's
+        (weights, optimizer, info) from a checkpoint, to start from. `expert_cls`: the experts'
+        actor class (bench/perf.py's scaling simulation swaps in one whose update sleeps)."""
+        self.config, self.faults = config, faults
+        self.ids = config.experts.ids()
+        self.kinds = {e: expert_kind(config, e) for e in self.ids}
+        self.handles = {e: runtime.spawn_member(expert_cls, config, e, name=f"expert/{e}",
+                                                resources=config.expert(e).resources) for e in self.ids}
+        collective = config.cluster.sync == "collective" and config.cluster.mode == "ray"
+        self.sync = runtime.spawn_member(
+            WeightSyncActor, workers, self.handles if collective else None,
+            {"backend": config.cluster.collective_backend, "timeout_s": config.cluster.collective_timeout_s}
+            if collective else None, name="weight_sync")
+        self.workers = workers
+        self.nodes: dict[str, str | None] = {}
+        self.snapshots = {e: self.first_snapshot(e, (states or {}).get(e)) for e in self.ids}
+        self.versions = {e: info.version for e, info in get({e: s.info for e, s in self.snapshots.items()}).items()}
+        self.published: dict[str, Release] = {}  # what every worker holds
+        self.publish(self.ids)
+
+    def first_snapshot(self, e: str, state: tuple | None) -> Snapshot:
+        """Expert `e`'s starting snapshot, once it holds `state` if given. An expert killed
+        meanwhile restarts as its config builds it, and is restored again."""
+        expert = self.handles[e]
+
+        def attempt(first):
+            if state:
+                get(expert.restore.remote(*state))
+            return self.take_snapshot(e)
+        snapshot, faults = survive(attempt, lambda: get(expert.info.remote()), self.config.cluster.max_restarts,
+                                   lost=(SnapshotLost,))
+        self.faults.expert_restarts += faults
+        return snapshot
+
+    def take_snapshot(self, e: str) -> Snapshot:
+        """Expert `e`'s snapshot now, kept on the driver's node."""
+        self.nodes[e] = get(self.handles[e].node.remote())
+        snapshot = Snapshot(*keep_here(self.handles[e].snapshot.options(num_returns=3).remote(), self.nodes[e]))
+        get(snapshot.info)
+        return snapshot
+
+    def release(self, e: str) -> Release:
+        """Expert `e`'s latest version as workers are given it."""
+        return Release(self.versions[e], self.snapshots[e].weights, get(self.snapshots[e].info).checksum)
+
+    def publish(self, expert_ids: list[str]) -> SyncResult:
+        """Deliver the latest versions of `expert_ids` to every rollout worker."""
+        return self.deliver({e: self.release(e) for e in expert_ids}, current=True)
+
+    def deliver(self, releases: dict[str, Release], current: bool = False) -> SyncResult:
+        """Give every worker these releases and wait for their acknowledgements. `current`: the
+        experts hold these versions now, so a collective run may broadcast them. If the sync actor
+        or a worker died, everything published is delivered again through the object store, which
+        rebuilds the restarted sync actor's registry and a restarted worker's weights."""
+        def attempt(first):
+            return get(self.sync.publish.remote(releases if first else {**self.published, **releases},
+                                                broadcast=current and first))
+
+        def alive():  # the sync actor and every worker answer once Ray has restarted them
+            get([self.sync.registrations.remote(), *[w.version_vector.remote() for w in self.workers]])
+        if not releases:
+            return SyncResult(0.0, None, None)
+        out, faults = survive(attempt, alive, self.config.cluster.max_restarts)
+        self.faults.sync_restarts += faults
+        self.faults.sync_fallbacks += out.fallback is not None
+        self.published.update(releases)
+        return out
+
+    def update(self, step: int, due: list[str], advantages: dict, rollout, remake) -> dict[str, dict]:
+        """The due experts' updates on `rollout`, concurrently, then each one's new snapshot; returns
+        each expert's stats. If the rollout outputs an update reads were lost with their node,
+        `remake()` makes the rollout again (a pure function of step and weights) and the experts
+        not yet updated are given that one."""
+        stats: dict[str, dict] = {}
+        while True:
+            try:
+                self.apply_updates(step, [e for e in due if e not in stats], advantages, rollout, stats)
+                return stats
+            except RolloutLost:
+                self.faults.rollouts_lost += 1
+                rollout = remake()
+
+    def apply_updates(self, step: int, due: list[str], advantages: dict, rollout, stats: dict) -> None:
+        """Each due expert's update, exactly once. An expert that died is restarted by Ray,
+        restored from its previous snapshot and given the same update again; its new snapshot must
+        show this step's version."""
+        def submit(e):
+            inputs = self.kinds[e].update_inputs(advantages, rollout.refined, rollout.outputs)
+            return (self.handles[e].update.remote(step, self.versions[e], *inputs),
+                    Snapshot(*self.handles[e].snapshot.options(num_returns=3).remote()))
+        calls = {e: submit(e) for e in due}
+        for e in due:
+            def attempt(first, e=e):
+                if not first:
+                    calls[e] = submit(e)
+                try:
+                    result, info = get(calls[e][0]), get(calls[e][1].info)
+                except ObjectLostError as lost:
+                    raise RolloutLost(f"step {step}: {e}'s update lost its inputs ({type(lost).__name__})") from lost
+                if (info.version, info.last_step) != (self.versions[e] + 1, step):
+                    raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
+                return result, Snapshot(*keep_here(calls[e][1], self.nodes[e]))
+
+            def restore(e=e, previous=self.snapshots[e]):
+                get(self.handles[e].restore.remote(*previous))
+                self.nodes[e] = get(self.handles[e].node.remote())
+            (stats[e], self.snapshots[e]), faults = survive(attempt, restore, self.config.cluster.max_restarts,
+                                                            lost=(StaleExpert, SnapshotLost))
+            self.faults.expert_restarts += faults
+            self.versions[e] = stats[e]["version"]
+
+    def saved_snapshots(self) -> dict[str, Snapshot]:
+        """Every expert's latest snapshot, fetched (for a checkpoint)."""
+        return {e: Snapshot(*get(list(refs))) for e, refs in self.snapshots.items()}
+
+    def inspect(self) -> dict:
+        """Where every version stands: the experts, their snapshots and the sync registry."""
+        return {"experts": {e: info._asdict() for e, info in get({e: h.info.remote()
+                                                                  for e, h in self.handles.items()}).items()},
+                "snapshots": {e: {"version": info.version, "last_step": info.last_step}
+                              for e, info in get({e: s.info for e, s in self.snapshots.items()}).items()},
+                "registry": get(self.sync.registrations.remote())}
+
+    def actors(self) -> list:
+        return [*self.handles.values(), self.sync]

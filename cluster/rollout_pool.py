@@ -1,0 +1,139 @@
+"""`RolloutPool`: the rollout workers as the driver sees them — rollouts submitted ahead, each made
+under the weights it names, a lost one made again, and a step's shards collected into one.
+
+With `cluster.max_staleness=k` the rollouts of steps t+1..t+k are already submitted while step t
+updates. Each rollout names the versions published when it was submitted, and a worker holds every
+version a rollout in flight may still name, so a publish that reaches a worker first (it comes from
+the weight-sync actor, another caller) never changes the weights of a rollout submitted before.
+A worker that dies is restarted by Ray, loaded with the weights its rollout was made with and given
+its share again: a rollout is a pure function of step and weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cluster.recovery import FaultCounts, NotSynced, settle, survive
+from cluster.reward_pool import RewardActor
+from cluster.rollout_worker import RolloutWorker
+from cluster.runtime import Runtime, get
+from experts.pipeline import RolloutMeta, RolloutOutputs
+from experts.records import Release
+from experts.weights import fingerprint
+
+
+@dataclass
+class Rollout:
+    """One step's rollout: its samples, each worker's share, each share's outputs (ObjectRefs), the
+    weights every worker was given for it, and, once collected, the metadata of all shares."""
+    samples: list
+    shares: list[list]
+    outputs: list[RolloutOutputs]
+    weights: dict[str, Release]
+    meta: RolloutMeta | None = None
+    refined: np.ndarray = field(init=False)
+    groups: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.refined = np.array([s.refine for s in self.samples])
+        self.groups = np.array([s.group for s in self.samples])
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """The version of every expert this rollout is made with (its workers are told so)."""
+        return {e: w.version for e, w in self.weights.items()}
+
+
+class RolloutPool:
+    def __init__(self, config, runtime: Runtime, faults: FaultCounts, plan):
+        """`plan(step)`: the samples of `step` (algorithm/batch.py)."""
+        self.config, self.runtime, self.faults, self.plan = config, runtime, faults, plan
+        self.refiner_ids = list(config.experts.active_refiners())
+        self.rewarders = [runtime.spawn_member(RewardActor, config, k, name=f"reward/{k}",
+                                               resources=config.reward.resources) for k in range(config.reward.actors)]
+        self.workers = [runtime.spawn_member(RolloutWorker, config, j, self.rewarders or None, name=f"rollout/{j}",
+                                             resources=config.cluster.rollout_resources)
+                        for j in range(config.cluster.rollout_workers)]
+        self.in_flight: dict[int, Rollout] = {}  # submitted, not yet collected, at most max_staleness ahead
+        self.reloaded = False  # a worker was given older weights to redo a rollout: publish all after the step
+
+    def submit(self, step: int, experts) -> None:
+        """Every worker's share of `step`'s samples, made with the weights `experts` published so far."""
+        samples = self.plan(step)
+        shares = [list(s) for s in np.array_split(np.array(samples, dtype=object), len(self.workers))]
+        rollout = self.in_flight[step] = Rollout(samples, shares, [], dict(experts.published))
+        rollout.outputs = [self.call(worker, step, share, rollout.versions)
+                           for worker, share in zip(self.workers, shares)]
+
+    def call(self, worker, step: int, share: list, versions: dict[str, int]) -> RolloutOutputs:
+        meta, trajectories, *tokens = worker.rollout.options(num_returns=2 + len(self.refiner_ids)).remote(
+            step, share, versions)
+        return RolloutOutputs(meta, trajectories, dict(zip(self.refiner_ids, tokens)))
+
+    def submit_under(self, step: int, weights: dict[str, Release], experts) -> None:
+        """`step`'s rollout made again with the `weights` it was first made with: the workers get
+        the ones that changed since, then what they held before."""
+        held = dict(experts.published)
+        changed = {e: w for e, w in weights.items() if w.version != held[e].version}
+        experts.deliver(changed)
+        self.submit(step, experts)
+        experts.deliver({e: held[e] for e in changed})
+
+    def look_ahead(self, step: int, experts) -> None:
+        """Rollouts in flight for `step` and up to `cluster.max_staleness` steps after it."""
+        last = min(step + self.config.cluster.max_staleness, self.config.trainer.steps - 1)
+        for s in range(step, last + 1):
+            if s not in self.in_flight:
+                self.submit(s, experts)
+
+    def resubmit(self, saved: dict[int, dict[str, tuple]], start_step: int, experts) -> None:
+        """The rollouts a checkpoint had in flight, each made again with the older weights it was
+        made with ({step: {expert: (version, weights)}}), so that a resumed run equals the
+        uninterrupted one. Those beyond this run's `max_staleness` are left to `look_ahead`."""
+        for s in sorted(saved):
+            if s - start_step < self.config.cluster.max_staleness:
+                older = {e: Release(v, self.runtime.put(w), fingerprint(w)) for e, (v, w) in saved[s].items()}
+                self.submit_under(s, {**experts.published, **older}, experts)
+
+    def collect(self, step: int, experts) -> Rollout:
+        """`step`'s rollout (submitted now if it was not already, with the look-ahead after it), its
+        shares' metadata joined. A worker that died is restarted by Ray, loaded with the weights
+        the rollout was made with and given its share again."""
+        self.look_ahead(step, experts)
+        rollout, metas = self.in_flight.pop(step), []
+        for j, worker in enumerate(self.workers):
+            def attempt(first, worker=worker, j=j):
+                if not first:
+                    settle([rollout.outputs[j].trajectories, *rollout.outputs[j].tokens.values()])
+                    rollout.outputs[j] = self.call(worker, step, rollout.shares[j], rollout.versions)
+                return get(rollout.outputs[j].meta)
+
+            def reload(worker=worker):
+                self.reloaded = True
+                get([worker.load_weights.remote(e, *release) for e, release in rollout.weights.items()])
+            meta, faults = survive(attempt, reload, self.config.cluster.max_restarts, lost=(NotSynced,))
+            self.faults.worker_restarts += faults
+            metas.append(meta)
+        rollout.meta = RolloutMeta.join(metas)
+        return rollout
+
+    def remake(self, step: int, rollout: Rollout, experts) -> Rollout:
+        """`rollout` made again under the weights it was made with (its outputs were lost)."""
+        self.submit_under(step, rollout.weights, experts)
+        return self.collect(step, experts)
+
+    def take_reloaded(self) -> bool:
+        """Whether a worker was given older weights since the last call: then every expert is
+        published again, so that every worker serves the latest versions."""
+        reloaded, self.reloaded = self.reloaded, False
+        return reloaded
+
+    def older_weights(self, versions: dict[str, int]) -> dict[int, dict[str, tuple]]:
+        """{step: {expert: (version, weights)}}: the weights older than `versions` that the
+        rollouts in flight were made with (a checkpoint keeps them)."""
+        return {s: {e: (w.version, get(w.weights)) for e, w in r.weights.items() if w.version != versions[e]}
+                for s, r in self.in_flight.items()}
+
+    def actors(self) -> list:
+        return [*self.workers, *self.rewarders]

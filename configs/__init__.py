@@ -1,0 +1,1 @@
+"""The named presets (`--config NAME`) as YAML files; driver/presets.py reads them."""

@@ -1,0 +1,48 @@
+"""`--set dotted.key=value`: a value parsed as YAML, written into the config tree before validation.
+
+Setting a key only builds the tree (`experts.refiners.0.lr` grows the list as needed); whether the
+key exists and the value fits is the schema's to say, so every error names the key the same way.
+"""
+from __future__ import annotations
+
+import yaml
+
+from driver.config import ConfigError
+
+
+def parse_override(item: str) -> tuple[str, object]:
+    """`key=value` as (key, value), the value read as YAML (`3`, `true`, `[a, b]`, `{r: 4}`)."""
+    if "=" not in item:
+        raise ConfigError(f"invalid --set '{item}': expected dotted.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def set_key(tree: dict, dotted: str, value) -> None:
+    """Write `value` at `dotted` in `tree`, making the sections (and list items) on the way."""
+    keys = dotted.split(".")
+    node = tree
+    for i, k in enumerate(keys[:-1]):
+        if isinstance(node, list) and k.isdigit():
+            k = int(k)
+            node += [{} for _ in range(k + 1 - len(node))]
+        elif not isinstance(node, dict):
+            raise ConfigError(f"invalid config key '{dotted}': '{'.'.join(keys[:i])}' is not a section")
+        nxt = node[k] if (isinstance(node, list) or k in node) else None
+        if nxt is None:
+            nxt = node[k] = {}
+        node = nxt
+    if isinstance(node, list):
+        raise ConfigError(f"invalid config key '{dotted}': give a field, e.g. '{dotted}.lr'")
+    node[keys[-1]] = value
+
+
+def apply(tree: dict, overrides: list[str]) -> dict:
+    """`tree` with every `dotted.key=value` of `overrides` set, in order."""
+    for item in overrides:
+        set_key(tree, *parse_override(item))
+    return tree

@@ -1,0 +1,18 @@
+"""An expert's kind, from its config section: the one place that tells a refiner from the generator."""
+from __future__ import annotations
+
+import torch
+
+from experts.build import ExpertKind
+from experts.generator import GeneratorConfig, GeneratorKind
+from experts.refiner import RefinerKind
+
+
+def expert_kind(config, expert_id: str) -> ExpertKind:
+    spec = config.expert(expert_id)
+    return (GeneratorKind if isinstance(spec, GeneratorConfig) else RefinerKind)(config, expert_id, spec)
+
+
+def build_model(config, expert_id: str, fresh: bool = False) -> torch.nn.Module:
+    """Expert `expert_id`'s model at version 0: seeded, then from its `init` file unless `fresh`."""
+    return expert_kind(config, expert_id).build_model(fresh)

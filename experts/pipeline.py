@@ -1,0 +1,210 @@
+"""`RolloutPipeline`: refine -> compose -> encode -> generate -> reward -> counterfactual, for a
+batch of samples, with inference copies of every expert and the generator's frozen front end
+(text encoding, latent space, decoding: experts/frontend.py).
+
+`run` returns a rollout's outputs as three parts: small metadata for the driver, the generator's
+trajectories and each refiner's token batch; the last two go to the experts that learn from them.
+Every draw is seeded by (trainer.seed, step, sample), so a rollout is a pure function of the step,
+its samples and the weights: the same sample comes out the same in any batch, on any worker.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from algorithm.batch import Sample
+from algorithm.credit import total_reward
+from algorithm.sde import sample, sde_steps
+from experts.frontend import build_frontend
+from experts.kinds import build_model
+from experts.seeding import generator
+from experts.weights import load
+from tasks import build_task
+from tasks.base import Refinement, to_uint8
+from tasks.reward_guard import GuardedReward, reward_fn
+
+
+@dataclass
+class RolloutMeta:
+    """What the driver reads of a rollout: per sample its reward terms, whether they are valid (the
+    reward neither failed nor gave NaN), the version vector it was made with, its counterfactual
+    totals (NaN where not drawn) and refinements; for the batch its reward faults, the text
+    cache's hits and misses, the seconds it took, and its images when they are logged."""
+    samples: list[int]
+    terms: dict[str, np.ndarray]
+    valid: np.ndarray
+    versions: list[dict]
+    counterfactual: dict[str, np.ndarray]
+    refinements: list[dict[str, str]]
+    faults: dict[str, int]
+    cache_hits: int
+    cache_misses: int
+    busy_s: float
+    images: np.ndarray | None = None
+
+    @staticmethod
+    def join(metas: list["RolloutMeta"]) -> "RolloutMeta":
+        """Several shards' metadata as one, in shard order (busy_s: the slowest shard's)."""
+        def joined(field: str) -> list:
+            return [x for m in metas for x in getattr(m, field)]
+
+        def arrays(field: str) -> dict[str, np.ndarray]:
+            return {k: np.concatenate([getattr(m, field)[k] for m in metas]) for k in getattr(metas[0], field)}
+        faults: dict[str, int] = {}
+        for m in metas:
+            for kind, n in m.faults.items():
+                faults[kind] = faults.get(kind, 0) + n
+        return RolloutMeta(joined("samples"), arrays("terms"), np.concatenate([m.valid for m in metas]),
+                           joined("versions"), arrays("counterfactual"), joined("refinements"), faults,
+                           sum(m.cache_hits for m in metas), sum(m.cache_misses for m in metas),
+                           max(m.busy_s for m in metas),
+                           None if metas[0].images is None else np.concatenate([m.images for m in metas]))
+
+
+class RolloutOutputs(NamedTuple):
+    """A rollout's outputs: its metadata, the generator's trajectories ({states, logps, cond,
+    sigmas, sde}) and {refiner id: its token batch}. The driver holds them as ObjectRefs."""
+    meta: Any
+    trajectories: Any
+    tokens: dict[str, Any]
+
+
+def as_text(refinements: list[dict[str, Refinement]]) -> list[dict[str, str]]:
+    return [{e: r.text for e, r in refs.items()} for refs in refinements]
+
+
+class RolloutPipeline:
+    def __init__(self, config, score=None, device: torch.device = torch.device("cpu")):
+        """`score`: the reward to call (default: `reward.fn`, else the task's own)."""
+        self.config, self.device = config, device
+        self.task = build_task(config)
+        self.refiner_ids = list(config.experts.active_refiners())
+        self.models = {eid: build_model(config, eid).eval().to(device) for eid in config.experts.ids()}
+        self.versions: dict[str, int | None] = {eid: None for eid in self.models}
+        self.frontend = build_frontend(config, device)
+        steps = config.experts.generator.sample_steps
+        self.sigmas, self.sde = self.frontend.sigmas(steps), sde_steps(steps, config.experts.generator.sde_window)
+        self.owners = config.owners()
+        self.guarded_reward = GuardedReward(score or reward_fn(config, self.task), list(config.reward.weights),
+                                            config.reward.timeout_s)
+        self.faults: dict[str, int] = {}
+
+    def load(self, expert_id: str, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve `tensors` (a whole version, as the model holds them) as `version` of `expert_id`;
+        the model reads them in place."""
+        load(self.models[expert_id], tensors, assign=True)
+        self.versions[expert_id] = version
+
+    def version_vector(self) -> dict:
+        return {**self.versions, "text_encoder": self.frontend.version}
+
+    def run(self, step: int, samples: list) -> RolloutOutputs:
+        """`samples` (algorithm.batch.Sample, in the step's order) rolled out with the weights served now."""
+        start = time.perf_counter()
+        refinements, tokens = self.refine(step, samples)
+        noise = self.noise(step, samples)
+        cond = self.frontend.condition([s.prompt for s in samples], refinements)
+        states, logps = self.generate(cond, noise, sde=True)
+        self.faults = {}
+        images = self.frontend.decode(states[:, -1])
+        terms, valid = self.reward(images, samples, refinements)
+        counterfactual = self.counterfactual(step, samples, refinements, noise)
+        hits, misses = self.frontend.take_stats()
+        shown = np.stack([to_uint8(im) for im in images.cpu().numpy()]) if self.shows_images(step) else None
+        meta = RolloutMeta([s.sample for s in samples], terms, valid, [self.version_vector()] * len(samples),
+                           counterfactual, as_text(refinements), self.faults, hits, misses,
+                           time.perf_counter() - start, shown)
+        trajectories = {"states": states.cpu().numpy(), "logps": logps.cpu().numpy(),
+                        "cond": {k: v.cpu().numpy() for k, v in cond.items()},
+                        "sigmas": self.sigmas.numpy(), "sde": self.sde.numpy()}
+        return RolloutOutputs(meta, trajectories, tokens)
+
+    def shows_images(self, step: int) -> bool:
+        """Whether `step`'s images go to the trackers (`logging.images_every`, and the last step)."""
+        every = self.config.logging.images_every
+        return bool(every) and (step % every == 0 or step == self.config.trainer.steps - 1)
+
+    def draw(self, prompts: list, refine: bool, tag: str = "eval") -> dict:
+        """One ODE sample per prompt (refined by every refiner if `refine`), its draws seeded by
+        `tag` and the prompt's position: {"images", "refinements"}."""
+        samples = [Sample(i, i, p, refine) for i, p in enumerate(prompts)]
+        refinements, _ = self.refine(tag, samples)
+        cond = self.frontend.condition(prompts, refinements)
+        states, _ = self.generate(cond, self.noise(tag, samples), sde=False)
+        return {"images": self.frontend.decode(states[:, -1]).cpu().numpy(), "refinements": as_text(refinements)}
+
+    def evaluate(self, prompts: list, refine: bool) -> dict:
+        """The task's measure of one ODE sample per prompt, with the images and refinements."""
+        out = self.draw(prompts, refine)
+        return {**out, "measure": self.task.measure(out["images"], prompts)}
+
+    def generate(self, cond: dict, noise: torch.Tensor, sde: bool):
+        """The generator's trajectories from `noise` under `cond`: SDE on `generator.sde_window`'s
+        steps (all of them by default) if `sde`, else an ODE all the way (evaluation, sampling)."""
+        velocity = self.models["generator"]
+        window = self.sde if sde else torch.zeros_like(self.sde)
+        return sample(lambda x, sigma: velocity(x, sigma, **cond), noise.to(self.device), self.sigmas,
+                      self.config.experts.generator.noise_level, window)
+
+    def refine(self, step, samples: list):
+        """Every refiner's refinement of the samples marked `refine`, each from its own seeded
+        draws: (per sample {refiner: Refinement}, {refiner: its token batch for the update})."""
+        seed = self.config.trainer.seed
+        refined = [i for i, s in enumerate(samples) if s.refine]
+        refinements: list[dict[str, Refinement]] = [{} for _ in samples]
+        tokens = {}
+        for eid in self.refiner_ids:
+            model = self.models[eid]
+            if not refined:
+                tokens[eid] = {"prompts": []}
+                continue
+            prompts = [model.prompt_ids(samples[i].prompt) for i in refined]
+            uniforms = torch.stack([torch.rand(model.max_new_tokens, generator=generator(
+                seed, "tokens", step, samples[i].sample, eid)) for i in refined])
+            drawn, logps, mask = (t.cpu() for t in model.sample(prompts, uniforms.to(self.device)))
+            for row, i in enumerate(refined):
+                refinements[i][eid] = model.refinement(drawn[row].tolist(), mask[row].tolist())
+            tokens[eid] = {"prompts": prompts, "tokens": drawn.numpy(), "logps": logps.numpy(), "mask": mask.numpy()}
+        return refinements, tokens
+
+    def noise(self, step, samples: list) -> torch.Tensor:
+        """Every Gaussian draw of each sample's trajectory (B, T+1, *latent), seeded per sample."""
+        steps = self.config.experts.generator.sample_steps
+        return torch.stack([torch.randn((steps + 1, *self.frontend.latent_shape), generator=generator(
+            self.config.trainer.seed, "noise", step, s.sample)) for s in samples])
+
+    def reward(self, images: torch.Tensor, samples: list, refinements: list[dict]):
+        """(named terms, valid per sample) of decoded images in [-1, 1], scored against the original
+        prompts; faults are counted into `self.faults`."""
+        terms, valid, faults = self.guarded_reward(images.cpu().numpy(), [s.prompt for s in samples],
+                                                   refinements, self.owners)
+        for kind, n in faults.items():
+            self.faults[kind] = self.faults.get(kind, 0) + n
+        return terms, valid
+
+    def counterfactual(self, step, samples, refinements, noise) -> dict[str, np.ndarray]:
+        """Per refiner k, R(without y_k): the total reward of the same sample regenerated from the
+        same noise with y_k dropped (NaN where not drawn; `counterfactual_fraction` bounds the cost).
+        Only under counterfactual credit (algorithm/credit.py)."""
+        algo = self.config.algorithm
+        if algo.credit != "counterfactual":
+            return {}
+        out = {}
+        for eid in self.refiner_ids:
+            rows = [i for i, s in enumerate(samples) if s.refine and torch.rand(1, generator=generator(
+                self.config.trainer.seed, "counterfactual", step, s.sample, eid)).item()
+                < algo.counterfactual_fraction]
+            values = np.full(len(samples), np.nan)
+            if rows:
+                sub = [samples[i] for i in rows]
+                cond = self.frontend.condition([s.prompt for s in sub], [refinements[i] for i in rows], drop=eid)
+                states, _ = self.generate(cond, noise[rows], sde=True)
+                without = [{e: r for e, r in refinements[i].items() if e != eid} for i in rows]
+                terms, valid = self.reward(self.frontend.decode(states[:, -1]), sub, without)
+                values[rows] = np.where(valid, total_reward(terms, self.config.reward.weights), np.nan)
+            out[eid] = values
+        return out

@@ -1,0 +1,93 @@
+"""Prompt refiners: the config of a refiner expert, the model kinds it can be, and its kind.
+
+A refiner is an LM that adds words to the user's prompt and learns from the reward terms it owns.
+Its kinds are a tiny causal LM over the task's vocabulary (`tiny_lm`) and a Hugging Face causal LM
+(`hf_causal_lm`). Pure: no driver, cluster or Ray imports; files, models and packages named here are
+checked by driver/preflight.py.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
+
+from algorithm.losses import refiner_loss
+from experts.build import ExpertKind
+from experts.devices import to_device
+from experts.seeding import derive_seed
+from experts.spec import LoraConfig, Resources, Strict, default_kind
+
+
+class TinyLMConfig(Strict):
+    """A tiny causal transformer over the task's word vocabulary (experts/refiner_lm.py)."""
+    kind: Literal["tiny_lm"] = Field("tiny_lm", description="a tiny causal LM over the task's words")
+    d_model: PositiveInt = Field(64, description="width of the transformer")
+    n_layers: PositiveInt = Field(2, description="transformer blocks")
+    n_heads: PositiveInt = Field(4, description="attention heads per block")
+
+
+class HFCausalLMConfig(Strict):
+    """A Hugging Face causal LM refiner (a Qwen-class instruct model), prompted with its chat template."""
+    kind: Literal["hf_causal_lm"] = Field(description="a Hugging Face causal LM (needs "
+                                                      "transformers and peft)")
+    path: str = Field(description="a local model directory (with config.json) or a hub id 'org/name', "
+                                  "fetched when loaded")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute")
+    system_prompt: str = Field("Rewrite the user's image prompt into a more detailed one. Think briefly, then give "
+                               "the new prompt inside <answer></answer>.",
+                               description="the system message before the user's prompt; empty: none")
+    answer_tag: str | None = Field("answer", description="the refinement is the text inside <tag>…</tag>; "
+                                                         "None: all of the generated text")
+    lora: LoraConfig | None = Field(None, description="a LoRA adapter to train instead of the full model; "
+                                                      "None: full fine-tuning")
+
+
+class RefinerConfig(Strict):
+    """One refiner expert (`experts.refiner_<i>`): its model, its reward terms and how it learns."""
+    owns: list[str] | None = Field(None, description="reward terms credited to this refiner; None: refiner i owns "
+                                                     "the i-th text term (fidelity, style, format, round robin)")
+    train: bool = Field(True, description="false: the refiner samples but never updates")
+    lr: PositiveFloat = Field(3e-3, description="learning rate (AdamW)")
+    update_every: PositiveInt = Field(1, description="update once every this many steps")
+    kl_beta: NonNegativeFloat = Field(0.01, description="weight of the KL penalty to the initial (reference) "
+                                                        "model; 0: none")
+    clip_eps: PositiveFloat = Field(0.2, description="PPO clip of the probability ratio to the rollout's log-probs")
+    max_new_tokens: PositiveInt = Field(6, ge=2, description="most tokens the refiner adds to a prompt")
+    temperature: PositiveFloat = Field(1.0, description="sampling temperature of the refinement tokens")
+    init: str | None = Field(None, description="a safetensors checkpoint to start from (`jointrl pretrain` "
+                                               "writes one); None: the model's own initial weights")
+    resources: Resources = Field(Resources(), description="what this expert's actor reserves from Ray")
+    model: Annotated[TinyLMConfig | HFCausalLMConfig, Field(discriminator="kind")] = Field(
+        TinyLMConfig(), description="the refiner's model, by `kind`; a section without kind is tiny_lm")
+
+    _kind = model_validator(mode="before")(default_kind("tiny_lm"))
+
+
+class RefinerKind(ExpertKind):
+    """A refiner learns from the samples it refined, from its own token batch of each rollout shard,
+    with GRPO's token-level loss (algorithm/losses.py)."""
+
+    def fresh_model(self) -> torch.nn.Module:
+        m, spec = self.spec.model, self.spec
+        if m.kind == "hf_causal_lm":
+            from experts.hf_refiner import HFRefiner
+            return HFRefiner(spec, derive_seed(self.config.trainer.seed, "init", self.expert_id))
+        from experts.refiner_lm import TinyCausalLM
+        from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
+        return TinyCausalLM(len(VOCAB), m.d_model, m.n_layers, m.n_heads, MAX_PROMPT_WORDS + 2 + spec.max_new_tokens,
+                            spec.max_new_tokens, spec.temperature)
+
+    def update_inputs(self, advantages, refined, outputs: list) -> tuple:
+        """(its advantage of each sample it refined, then its token batch from every rollout shard)."""
+        return (advantages.refiners[self.expert_id][refined], *[o.tokens[self.expert_id] for o in outputs])
+
+    def merge(self, model, shards: list[dict], device: torch.device) -> dict:
+        """Its token batches from every shard as one batch, in shard order."""
+        parts = [s for s in shards if len(s["prompts"])]
+        return to_device({"prompts": [p for s in parts for p in s["prompts"]],
+                          **{k: torch.cat([torch.tensor(s[k]) for s in parts]) for k in ("tokens", "logps", "mask")}},
+                         device)
+
+    def loss(self, model, reference, batch: dict, adv: torch.Tensor):
+        return refiner_loss(model, reference, batch, adv, self.spec.clip_eps, self.spec.kl_beta)

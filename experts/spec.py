@@ -1,0 +1,53 @@
+"""Config pieces every expert kind shares: the strict pydantic base, Ray resources, LoRA, the text encoder.
+
+Expert config sections live next to their kinds (experts/refiner.py, experts/generator.py), so this
+module is pure: it imports neither the driver, the cluster nor Ray, and checks nothing outside the
+values themselves (files, models and packages are checked by driver/preflight.py).
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
+
+
+class Strict(BaseModel):
+    """A config section: unknown keys are errors, and assignments are validated too."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Resources(Strict):
+    """What one actor reserves from Ray; `custom` names resources a node advertises (e.g. a pool)."""
+    num_cpus: NonNegativeFloat = Field(0.0, description="CPUs the actor reserves (fractions share a CPU)")
+    num_gpus: NonNegativeFloat = Field(0.0, description="GPUs the actor reserves (fractions share a GPU); "
+                                                        "> 0 also places its model on the GPU")
+    custom: dict[str, NonNegativeFloat] = Field({}, description="custom Ray resources by name, e.g. {pool: 0.01} "
+                                                                "to land only on nodes that advertise `pool`")
+
+    def options(self) -> dict:
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.custom)}
+
+
+class LoraConfig(Strict):
+    """A LoRA adapter (peft): only it trains, syncs and is checkpointed; the reference is the base."""
+    r: PositiveInt = Field(8, description="rank of the adapter's low-rank update")
+    alpha: PositiveFloat = Field(16.0, description="LoRA scaling numerator: the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input while training")
+    target_modules: list[str] | None = Field(None, description="module names the adapter wraps; None: the "
+                                                               "attention projections of the model's kind")
+
+
+class TextEncoderConfig(Strict):
+    """The tiny generator's text encoder (the diffusers kind brings its own encoders)."""
+    d_model: PositiveInt = Field(64, description="width of the encoder's transformer")
+    n_layers: PositiveInt = Field(2, description="transformer blocks")
+    n_heads: PositiveInt = Field(4, description="attention heads per block")
+    init: str | None = Field(None, description="a safetensors checkpoint to start from (pretrained with the "
+                                               "generator by `jointrl pretrain`); None: random initialisation")
+
+
+def default_kind(kind: str):
+    """A `model` section without `kind` (e.g. `--set experts.generator.model.d_model=128`) is the tiny one."""
+    def fill(data):
+        if isinstance(data, dict) and isinstance(data.get("model"), dict) and "kind" not in data["model"]:
+            data = {**data, "model": {"kind": kind, **data["model"]}}
+        return data
+    return fill

@@ -1,0 +1,38 @@
+"""The core (algorithm/, experts/, tasks/) is plain Python: it never imports the Ray shell
+(cluster/), the driver, or Ray itself, so it can be read, tested and reused without them."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ("algorithm", "experts", "tasks")
+SHELL = ("cluster", "driver", "ray")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_core_files_import_nothing_from_the_shell():
+    files = [p for package in CORE for p in sorted((ROOT / package).rglob("*.py"))]
+    assert len(files) > 20
+    offending = {f"{p.relative_to(ROOT)}: {m}" for p in files for m in imported_modules(p)
+                 if m.split(".")[0] in SHELL}
+    assert not offending, sorted(offending)
+
+
+def test_importing_the_whole_core_loads_no_shell_module():
+    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts) for package in CORE
+               for p in sorted((ROOT / package).rglob("*.py")) if p.name != "__init__.py"]
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(SHELL)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
