@@ -34,7 +34,8 @@ def total_reward(terms: dict[str, np.ndarray], weights: dict[str, float]) -> np.
 
 
 def group_normalise(values: np.ndarray, groups: np.ndarray, include: np.ndarray, clip: float) -> np.ndarray:
-    """A = clip((R - mean) / (std + 1e-4), +-clip) within each group over `include`; 0 elsewhere."""
+    """A = clip((R - mean) / (std + 1e-4), +-clip) within each group over `include` (GRPO eq. 3's
+    normalised outcome reward); 0 elsewhere."""
     adv = np.zeros_like(values, dtype=np.float64)
     for g in np.unique(groups):
         sel = (groups == g) & include

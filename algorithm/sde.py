@@ -34,7 +34,8 @@ def sde_steps(steps: int, window: list[int] | None) -> torch.Tensor:
 
 
 def sde_mean_std(x, v, sigma, sigma_next, noise_level: float, sigma_max: float):
-    """Mean and standard deviation of the Gaussian transition x -> x_next (sigma broadcastable)."""
+    """Mean and standard deviation of the Gaussian transition x -> x_next (Flow-GRPO eq. 12, sigma
+    broadcastable); the std is std_t * sqrt(|Delta|), the Euler-Maruyama step of eq. 11."""
     delta = sigma_next - sigma
     denom = torch.where(sigma >= 1.0, torch.full_like(sigma, sigma_max), sigma)
     std_t = noise_level * torch.sqrt(sigma / (1 - denom))
@@ -43,7 +44,8 @@ def sde_mean_std(x, v, sigma, sigma_next, noise_level: float, sigma_max: float):
 
 
 def gaussian_logp(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Log-density of x_next under N(mean, std^2), averaged over all but the batch dimension."""
+    """Log-density of x_next under N(mean, std^2), averaged over all but the batch dimension (the
+    log pi_theta(x_{t-1} | x_t) of Flow-GRPO's ratio, eq. 8, as its code averages it)."""
     lp = -((x_next - mean) ** 2) / (2 * std ** 2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
     return lp.flatten(1).mean(1)
 
@@ -55,9 +57,9 @@ def _bcast(s: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(velocity, noise: torch.Tensor, sigmas: torch.Tensor, noise_level: float, sde: torch.Tensor):
-    """Integrate from noise[:, 0] along `sigmas` (T+1, from 1 down to 0); `noise` (B, T+1, ...) holds
-    every Gaussian draw, `velocity(x, sigma)` is the conditioned model, and the transitions marked in
-    `sde` (T,) are SDE steps, the others ODE steps.
+    """Flow-GRPO's rollout: integrate from noise[:, 0] along `sigmas` (T+1, from 1 down to 0);
+    `noise` (B, T+1, ...) holds every Gaussian draw, `velocity(x, sigma)` is the conditioned model,
+    and the transitions marked in `sde` (T,) are SDE steps, the others ODE steps.
 
     Returns the states (B, T+1, ...) and per-step log-probs (B, T) (0 at ODE steps).
     """

@@ -53,5 +53,8 @@ def test_a_killed_worker_is_synced_through_the_object_store_and_the_group_reform
     rows, _ = run_killing(config("cluster.sync=collective", "cluster.collective_timeout_s=20"), tmp_path,
                           [(2, "rollout/1")])
     assert_same_training(rows, object_store_rows)
-    assert rows[-1]["faults/worker_restarts"] + rows[-1]["faults/sync_restarts"] == 1
+    # the kill is noticed exactly once, where it lands: in a rollout (worker restart), in the
+    # object-store delivery (sync restart), or in the broadcast, which falls back to the object store
+    last = rows[-1]
+    assert last["faults/worker_restarts"] + last["faults/sync_restarts"] + last["faults/sync_fallbacks"] == 1
     assert rows[-1]["sync/via"] == "collective"  # the group was formed again with the new worker
