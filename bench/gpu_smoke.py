@@ -68,7 +68,7 @@ def main() -> int:
         print({k: v for k, v in r.items() if k.startswith(("step", "reward/total", "loss/", "version/", "time/step_s",
                                                             "sync/via", "sample/"))})
     print(f"{len(rows)} steps in {time.perf_counter() - start:.1f} s; report: "
-          + ", ".join(p.name for p in report(run_dir)))
+          + ", ".join(p.name for p in report(run_dir, lambda: cfg)[0]))
     ok = len(rows) == 2 and all(r[f"version/{e}"] == 2 for r in rows[-1:] for e in cfg.experts.ids())
     print("GPU SMOKE", "PASSED" if ok else "FAILED")
     return 0 if ok else 1

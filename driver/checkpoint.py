@@ -35,8 +35,12 @@ def atomic_dir(final: Path):
     """Yield a temporary folder beside `final`; once the block succeeds it replaces `final`."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    yield tmp
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+    except BaseException:  # a full disk, an interrupt: no half-written folder is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
 
@@ -50,7 +54,7 @@ def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0
     """Write checkpoint `step` (the driver resumes at this step) from each expert's snapshot and
     the rollouts in flight's older weights
     ({step: {expert: (version, weights)}}), and prune to the last `keep`."""
-    final = run_dir / "checkpoints" / f"step_{step:06d}"
+    final = checkpoint_path(run_dir, step)
     in_flight = in_flight or {}
     with atomic_dir(final) as tmp:
         for eid, snapshot in snapshots.items():
@@ -68,6 +72,15 @@ def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0
         for old in all_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
     return final
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """The folder of the checkpoint a run resumes at `step` from."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def checkpoint_exists(run_dir: Path, step: int) -> bool:
+    return (checkpoint_path(run_dir, step) / "manifest.json").is_file()
 
 
 def step_of(ckpt: Path) -> int:

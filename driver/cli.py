@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,12 +42,14 @@ def parse_args(argv):
     c.add_argument("action", choices=("show", "keys"),
                    help="show: the config of --config and --set, each key with its description and default; "
                         "keys: every dotted key with its type and description")
-    for sp in (t, pre, e, c):
-        sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes)")
+    for sp in (t, pre, e, s, r, c):
+        sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes; on a run, "
+                                                       "its keys are applied on top of the run's saved config)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set trainer.steps=40 (repeatable)")
     args = p.parse_args(argv)
-    if hasattr(args, "config") and not getattr(args, "resume", None):
+    on_a_run = getattr(args, "resume", None) or getattr(args, "run", None) or args.command == "report"
+    if not on_a_run:
         args.config = args.config or "shapes"
     return args
 
@@ -56,22 +59,28 @@ def config_error(error: ConfigError) -> int:
     return 2
 
 
-def prepare_run(config: Config, run_dir: str | None, preset: str) -> Path:
-    path = Path(run_dir or f"runs/{Path(preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if (path / "metrics.jsonl").exists():
-        raise ConfigError(f"--run-dir '{path}' already holds a run (metrics.jsonl); choose another "
-                          f"folder so nothing already trained is overwritten")
+def run_path(run_dir: str | None, preset: str) -> Path:
+    return Path(run_dir or f"runs/{Path(preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def prepare_run(config: Config, path: Path) -> Path:
+    """Refuse a folder that holds a run already (or what one left); name the run after its folder."""
+    for left, what in (("metrics.jsonl", "a run (metrics.jsonl)"), ("checkpoints", "a run's checkpoints"),
+                       ("config.yaml", "the config.yaml of a run that stopped before its first step")):
+        if (path / left).exists():
+            raise ConfigError(f"--run-dir '{path}' already holds {what}; choose another folder so nothing "
+                              f"already trained is overwritten (or continue it: jointrl train --resume {path})")
     if config.trainer.run_name is None:
         config.trainer.run_name = path.resolve().name
     return path
 
 
-def prepare_resume(run_dir: str, config_arg: str | None, overrides: list[str]) -> tuple[Config, Path, Path]:
+def prepare_resume(path: Path, config_arg: str | None, overrides: list[str]) -> tuple[Config, Path]:
     """The saved config (plus `overrides`) and the verified checkpoint a stopped run resumes from.
-    Everything is checked before anything starts or is written."""
+    Everything is checked before anything starts or is written: an override may not change what
+    the run's weights were made with (models, frozen parts included, their init, the seed)."""
     from driver import checkpoint
     from experts.kinds import build_model
-    path = Path(run_dir)
     if config_arg:
         raise ConfigError(f"--resume '{path}' trains with the run's saved config.yaml; drop --config "
                           f"'{config_arg}' (use --set to change a key)")
@@ -80,10 +89,33 @@ def prepare_resume(run_dir: str, config_arg: str | None, overrides: list[str]) -
     step = checkpoint.verify(ckpt, config.experts.ids())
     for eid in config.experts.ids():
         checkpoint.check_shapes(ckpt, eid, build_model(config, eid, fresh=True))
+    refuse_weight_changes(run_config(path, "--resume"), config, path)  # what a checkpoint's shapes cannot show
     if step >= config.trainer.steps:
         raise ConfigError(f"--resume '{path}': the run is complete ({step} of trainer.steps={config.trainer.steps}); "
                           f"raise it with --set trainer.steps=N to train further")
-    return config, path, ckpt
+    return config, ckpt
+
+
+WEIGHT_KEYS = re.compile(r"(experts\.(n_refiners|generator_only|text_encoder\..*|(refiners\.\d+|generator)\."
+                         r"(model\..*|init|max_new_tokens))|task\.(name|image_size)|trainer\.seed)")
+
+
+def refuse_weight_changes(saved: Config, resumed: Config, path: Path) -> None:
+    """Raise naming the first key an override changed among those that shape the run's weights."""
+    before, after = flat(saved.model_dump()), flat(resumed.model_dump())
+    for key in sorted(set(before) | set(after)):
+        if WEIGHT_KEYS.fullmatch(key) and before.get(key) != after.get(key):
+            raise ConfigError(f"--resume '{path}': --set {key} changes what the run's weights were made with "
+                              f"({before.get(key)!r} -> {after.get(key)!r}); a resumed run keeps its models, their "
+                              f"frozen parts and its seed. Start a new run for another one. Nothing was started.")
+
+
+def flat(tree, prefix: str = "") -> dict:
+    """A nested dump as {dotted.key: value} (list items by index)."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else None
+    if items is None:
+        return {prefix.rstrip("."): tree}
+    return {k: v for key, value in items for k, v in flat(value, f"{prefix}{key}.").items()}
 
 
 class Progress:
@@ -108,23 +140,29 @@ class Progress:
 
 def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
     """Run training in the configured mode (from checkpoint `resume` if given), streaming progress;
-    returns the driver's summary."""
+    returns the driver's summary, with `interrupted` (the Interrupts) when a signal stopped it."""
     import ray
 
-    from cluster.connect import connect
     from driver.checkpoint import step_of
+    from driver.interrupts import Interrupts
     from driver.launch import follow, start_driver, stop_driver
     progress = Progress(config.trainer.steps, step_of(resume) if resume else 0)
     started_here = config.cluster.mode == "ray" and not ray.is_initialized()
     try:
         if config.cluster.mode == "inline":
-            return start_driver(config, run_dir, resume).instance.run(on_row=progress)
-        connect(config.cluster.address)
+            driver = start_driver(config, run_dir, resume)
+            with Interrupts(on_first=driver.instance.stop) as interrupts:
+                return {**driver.instance.run(on_row=progress), "interrupted": interrupts}
+        connect_to(config.cluster.address)
         driver = start_driver(config, run_dir, resume)
         try:
-            done = driver.run.remote()
-            follow(driver, done, progress)
-            return ray.get(done)
+            with Interrupts() as interrupts:
+                done = driver.run.remote()
+                seen = follow(driver, done, progress, until=lambda _: interrupts.requested)
+                if interrupts.requested:
+                    driver.stop.remote()
+                    follow(driver, done, progress, seen=seen)
+                return {**ray.get(done), "interrupted": interrupts}
         finally:
             stop_driver(driver)
     finally:
@@ -133,29 +171,37 @@ def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
             ray.shutdown()
 
 
+def connect_to(address: str | None) -> None:
+    """Ray, or a ConfigError naming the address and what a token-authenticated cluster needs."""
+    from cluster.connect import connect
+    try:
+        connect(address)
+    except ConnectionError as e:
+        raise ConfigError(f"cannot connect to the Ray cluster at cluster.address={address!r} ({e}); a cluster "
+                          f"with token authentication needs RAY_AUTH_MODE=token in this client's environment "
+                          f"(and its token). Nothing was started.") from None
+
+
 def evaluate(args) -> int:
     from driver.evaluate import evaluate_base, evaluate_run, table
-    try:
-        if args.run:
-            report, where = evaluate_run(Path(args.run)), Path(args.run)
-        else:
-            where = Path(args.base)
-            report = evaluate_base(load_config(args.config, args.overrides), where)
-    except ConfigError as e:
-        return config_error(e)
-    print(f"jointrl: strict accuracy of {report['checkpoint']}\n{table(report)}\n"
+    if args.run:
+        where = Path(args.run)
+        report = evaluate_run(where, run_config(where, "--run", args.overrides, layer=args.config))
+    else:
+        where = Path(args.base)
+        report = evaluate_base(load_config(args.config, args.overrides), where)
+    print(f"jointrl: evaluation of {report['checkpoint']}\n{table(report)}\n"
           f"  written to {where / 'eval.json'}, samples in {where / 'eval_samples.png'}")
     return 0
 
 
 def run_sample(args) -> int:
     from driver.sample import sample_run
-    try:
-        if args.n < 1:
-            raise ConfigError(f"-n {args.n}: draw at least one image")
-        drawn = sample_run(Path(args.run), args.prompt, args.n, args.seed, Path(args.out) if args.out else None)
-    except ConfigError as e:
-        return config_error(e)
+    if args.n < 1:
+        raise ConfigError(f"-n {args.n}: draw at least one image")
+    run = Path(args.run)
+    drawn = sample_run(run, run_config(run, "--run", args.overrides, layer=args.config), args.prompt, args.n,
+                       args.seed, Path(args.out) if args.out else None)
     print(f"jointrl: {args.prompt!r} from {drawn['checkpoint']}")
     for i, refs in enumerate(drawn["refinements"]):
         print(f"  [{i}] " + ("; ".join(f"{e}: {words or '(nothing)'}" for e, words in refs.items()) or "not refined"))
@@ -165,21 +211,17 @@ def run_sample(args) -> int:
 
 def run_report(args) -> int:
     from driver.report import report
-    try:
-        written = report(Path(args.run_dir))
-    except ConfigError as e:
-        return config_error(e)
-    print(f"jointrl: report of {args.run_dir}\n" + "\n".join(f"  {p}" for p in written))
+    run = Path(args.run_dir)
+    written, missing = report(run, lambda: run_config(run, "report", args.overrides, layer=args.config))
+    print(f"jointrl: report of {args.run_dir}\n" + "\n".join(f"  {p}" for p in written)
+          + (f"\n  no samples: {missing}" if missing else ""))
     return 0
 
 
 def run_pretrain(args) -> int:
     from driver.evaluate import evaluate_base, table
     from driver.pretrain import base_dir, pretrain_all
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        return config_error(e)
+    config = load_config(args.config, args.overrides)
     base = base_dir(config)
     print(f"jointrl: pretraining the base into {base} ({config.pretrain.steps} steps), then the "
           f"refiners ({config.pretrain.refiner_steps} steps)", flush=True)
@@ -194,28 +236,52 @@ def run_pretrain(args) -> int:
 
 
 def run_train(args) -> int:
-    resume = None
-    try:
+    from driver.run_lock import run_lock
+    if args.resume:
+        path, config = Path(args.resume), None
+        if not (path / "config.yaml").is_file():
+            run_config(path, "--resume")  # the error naming what is missing
+    else:
+        config = load_config(args.config, args.overrides)
+        path = run_path(args.run_dir, args.config)
+    with run_lock(path, "--resume" if args.resume else "--run-dir"):
         if args.resume:
-            config, run_dir, resume = prepare_resume(args.resume, args.config, args.overrides)
+            config, resume = prepare_resume(path, args.config, args.overrides)
         else:
-            config = load_config(args.config, args.overrides)
-            run_dir = prepare_run(config, args.run_dir, args.config)
-    except ConfigError as e:
-        return config_error(e)
-    print(f"jointrl: run '{config.trainer.run_name}' in {run_dir} ({config.cluster.mode} mode, "
-          f"{len(config.experts.active_refiners())} refiners + generator, credit={config.algorithm.credit})"
-          + (f", resuming from {resume}" if resume else ""), flush=True)
-    try:
-        summary = train(config, run_dir, resume)
-    except Exception as e:  # the run dir keeps whatever was written: metrics so far, checkpoints
-        cause = getattr(e, "cause", None) or e
-        print(f"jointrl: training failed: {type(cause).__name__}: {cause}\n  run dir: {run_dir}", file=sys.stderr)
-        return 1
+            resume = None
+            prepare_run(config, path)
+        print(f"jointrl: run '{config.trainer.run_name}' in {path} ({config.cluster.mode} mode, "
+              f"{len(config.experts.active_refiners())} refiners + generator, credit={config.algorithm.credit})"
+              + (f", resuming from {resume}" if resume else ""), flush=True)
+        try:
+            summary = train(config, path, resume)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # the run dir keeps whatever was written: metrics so far, checkpoints
+            cause = getattr(e, "cause", None) or e
+            print(f"jointrl: training failed: {failure(cause)}\n  run dir: {path}", file=sys.stderr)
+            return 1
+    interrupts = summary["interrupted"]
+    if summary["stopped"]:
+        print(f"jointrl: stopped by {interrupts.name} after step {summary['steps']} of {config.trainer.steps}; "
+              f"checkpoint {summary['checkpoint']}\n  resume with: jointrl train --resume {path}", flush=True)
+        return interrupts.exit_code
     print(f"jointrl: done, {summary['steps']} steps, final {progress_line(summary['last'])}\n"
-          f"  run dir:     {run_dir}\n  metrics:     {run_dir / 'metrics.jsonl'}\n"
-          f"  config:      {run_dir / 'config.yaml'}\n  checkpoints: {run_dir / 'checkpoints'}", flush=True)
+          f"  run dir:     {path}\n  metrics:     {path / 'metrics.jsonl'}\n"
+          f"  config:      {path / 'config.yaml'}\n  checkpoints: {path / 'checkpoints'}", flush=True)
     return 0
+
+
+def failure(cause: BaseException) -> str:
+    """A failure in one line; out of memory and a full disk are said as such (not a bug)."""
+    import errno
+    if isinstance(cause, MemoryError) or "out of memory" in str(cause).lower():
+        return f"out of memory ({type(cause).__name__}); lower the batch (trainer.prompts_per_step, " \
+               f"algorithm.group_size) or the models' size. The last complete checkpoint is intact."
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        return f"the disk is full ({cause.filename or cause}); free space and resume: the last complete " \
+               f"checkpoint is intact."
+    return f"{type(cause).__name__}: {cause}"
 
 
 def run_config_docs(args) -> int:
@@ -223,18 +289,19 @@ def run_config_docs(args) -> int:
     config that names models or files absent here can still be read."""
     from driver.config import resolve_config
     from driver.config_docs import keys, show
-    if args.action == "keys":
-        print(keys())
-        return 0
-    try:
-        config = resolve_config(args.config, args.overrides)
-    except ConfigError as e:
-        return config_error(e)
-    print(show(config))
+    print(keys() if args.action == "keys" else show(resolve_config(args.config, args.overrides)))
     return 0
 
 
 def main(argv=None) -> int:
+    """Every command; a user's error (ConfigError) is one paragraph on stderr and exit status 2, a
+    second Ctrl-C stops at once with 130."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
-            "report": run_report, "config": run_config_docs}[args.command](args)
+    try:
+        return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
+                "report": run_report, "config": run_config_docs}[args.command](args)
+    except ConfigError as e:
+        return config_error(e)
+    except KeyboardInterrupt:
+        print("jointrl: stopped at once; the run keeps its last checkpoint", file=sys.stderr, flush=True)
+        return 130

@@ -53,6 +53,10 @@ class ExpertsConfig(Strict):
         data = dict(data)
         id_pattern = cls.refiner_id(r"(\d+)")
         named = {int(m.group(1)): data.pop(k) for k in list(data) if (m := re.fullmatch(id_pattern, k))}
+        for i, section in named.items():
+            if not isinstance(section, dict):
+                raise ValueError(f"{cls.refiner_id(i)} is a section of keys (e.g. {cls.refiner_id(i)}.lr=0.001), "
+                                 f"got {section!r}")
         if named:
             refiners = [dict(r) if isinstance(r, dict) else r for r in data.get("refiners", [])]
             for i, overrides in sorted(named.items()):
@@ -119,7 +123,11 @@ class TrainerConfig(Strict):
     seed: int = Field(0, description="seeds the training prompts, the models' initialisation and the sampling")
     prompts_per_step: PositiveInt = Field(4, description="prompts per step, each sampled group_size times")
     n_train_prompts: PositiveInt = Field(48, description="size of the fixed training prompt set")
-    checkpoint_every: NonNegativeInt = Field(0, description="save a checkpoint every N steps; 0: only at the end")
+    checkpoint_every: NonNegativeInt = Field(0, description="save a checkpoint every N steps; 0: only at the end "
+                                                             "(and as checkpoint_every_s says)")
+    checkpoint_every_s: NonNegativeFloat = Field(300.0, description="also save one once this many seconds passed "
+                                                                    "since the last, so a crash loses no more; 0: "
+                                                                    "never by time")
     keep_checkpoints: PositiveInt = Field(3, description="checkpoints kept: the newest, older ones are removed")
     run_name: str | None = Field(None, description="the run's name in logs; None: its run directory's name")
 
@@ -260,7 +268,11 @@ def resolve_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
     """The validated config of a preset name or YAML path plus `dotted.key=value` overrides, without
     the preflight checks (what `jointrl config show` prints)."""
     from driver import overrides as sets, presets  # they raise ConfigError, defined here
-    tree = sets.apply(presets.load_tree(source), list(overrides))
+    return validated(sets.apply(presets.load_tree(source), list(overrides)))
+
+
+def validated(tree: dict) -> Config:
+    """The Config of a tree, or a ConfigError naming every bad key."""
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
@@ -276,11 +288,20 @@ def load_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
     return config
 
 
-def run_config(run_dir: Path, flag: str, overrides: list[str] = ()) -> Config:
-    """The saved config of the run in `run_dir` plus `overrides` (`flag` names it in errors)."""
-    if not (Path(run_dir) / "config.yaml").is_file():
+def run_config(run_dir: Path, flag: str, overrides: list[str] = (), layer: str | None = None) -> Config:
+    """The saved config of the run in `run_dir`, with the keys of `layer` (a preset name or YAML
+    path) set on top, then `overrides` (`flag` names the run in errors)."""
+    from driver import overrides as sets, presets
+    from driver.preflight import preflight
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
         raise ConfigError(f"{flag} '{run_dir}' is not a run directory (no config.yaml there)")
-    return load_config(str(Path(run_dir) / "config.yaml"), overrides)
+    tree = presets.load_tree(str(saved))
+    if layer:
+        tree = sets.merge(tree, presets.load_tree(layer))
+    config = validated(sets.apply(tree, list(overrides)))
+    preflight(config)
+    return config
 
 
 def invalid(problems: list[str]) -> str:

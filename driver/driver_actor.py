@@ -8,6 +8,7 @@ rollout pool (cluster/), which share one fault counter.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from cluster.recovery import FaultCounts
 from cluster.rollout_pool import RolloutPool
 from cluster.runtime import Runtime, get
 from driver import checkpoint, metrics
+from driver.checkpoint import checkpoint_exists, checkpoint_path
 from driver.metrics import MetricsLog, marked_timer
 from driver.trackers import Trackers
 from tasks import build_task
@@ -47,6 +49,7 @@ class DriverActor:
         if resume:
             self.rollouts.resubmit(checkpoint.load_in_flight(Path(resume)), self.start_step, self.experts)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_before=self.start_step)
+        self.stopping = False
         self.trackers = Trackers(config, self.run_dir, self.start_step)
 
     def samples(self, step: int) -> list:
@@ -90,20 +93,33 @@ class DriverActor:
                                in_flight=self.rollouts.older_weights(self.experts.versions))
 
     def run(self, on_row=None) -> dict:
-        every = self.config.trainer.checkpoint_every
-        steps = self.config.trainer.steps
+        """Train until `trainer.steps`, or until `stop()` was asked: then the step under way is
+        finished and the last completed one checkpointed. Checkpoints also come every
+        `trainer.checkpoint_every` steps and `trainer.checkpoint_every_s` seconds."""
+        t = self.config.trainer
+        step, saved_at, checkpoint = self.start_step, time.monotonic(), None
         try:
-            for step in range(self.start_step, steps):
+            while step < t.steps and not self.stopping:
                 row = self.train_step(step)
                 self.metrics.append(row)
                 self.trackers.log(row)
                 if on_row:
                     on_row(row)
-                if (every and (step + 1) % every == 0) or step + 1 == steps:
-                    self.save_checkpoint(step + 1)
+                step += 1
+                if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or self.stopping \
+                        or (t.checkpoint_every_s and time.monotonic() - saved_at >= t.checkpoint_every_s):
+                    checkpoint, saved_at = self.save_checkpoint(step), time.monotonic()
+            if checkpoint is None and not checkpoint_exists(self.run_dir, step):  # stopped before a step ended
+                checkpoint = self.save_checkpoint(step)
         finally:
             self.trackers.close()
-        return {"run_dir": str(self.run_dir), "steps": steps, "last": self.metrics.rows[-1]}
+        return {"run_dir": str(self.run_dir), "steps": step, "stopped": step < t.steps,
+                "checkpoint": str(checkpoint or checkpoint_path(self.run_dir, step)),
+                "last": self.metrics.rows[-1] if self.metrics.rows else None}
+
+    def stop(self) -> None:
+        """Ask `run` to stop after the step under way (an interrupt: Ctrl-C, SIGTERM)."""
+        self.stopping = True
 
     def poll(self, since: int) -> list[dict]:
         """Metric rows from index `since` on: callers stream progress with this while `run` runs."""

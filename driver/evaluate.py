@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from driver.checkpoint import pipeline_at
-from driver.config import ConfigError, run_config
+from driver.config import ConfigError
 from driver.images import grid, write_png
 from experts.pipeline import RolloutPipeline
 
@@ -32,8 +32,8 @@ def evaluate(config, pipeline: RolloutPipeline, samples_png: Path | None = None)
     return report
 
 
-def evaluate_run(run_dir: Path) -> dict:
-    config = run_config(run_dir, "--run")
+def evaluate_run(run_dir: Path, config) -> dict:
+    """`config` (the run's, with any keys set on top) evaluated at the run's latest checkpoint."""
     ckpt, pipeline = pipeline_at(run_dir, config)
     report = {"checkpoint": str(ckpt), **evaluate(config, pipeline, run_dir / "eval_samples.png")}
     (run_dir / "eval.json").write_text(json.dumps(report, indent=1))

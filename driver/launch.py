@@ -28,22 +28,25 @@ def save_config(config, run_dir: Path) -> Path:
 
 def start_driver(config, run_dir: Path, resume: Path | None = None, expert_cls=ExpertActor):
     """A handle to a new driver (its experts, workers and weight sync started and synced), resumed
-    from the checkpoint folder `resume` if given; its experts are `expert_cls` actors. The resolved
-    config is saved in the run directory first."""
-    save_config(config, run_dir)
+    from the checkpoint folder `resume` if given; its experts are `expert_cls` actors. Once it is
+    up, the resolved config is saved in the run directory (a failed resume changes nothing)."""
     resume = str(Path(resume).resolve()) if resume else None
     if config.cluster.mode == "inline":
         import torch
         torch.set_num_threads(1)
-        return InlineHandle(DriverActor(config, str(run_dir), resume, None, expert_cls))
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        driver = InlineHandle(DriverActor(config, str(run_dir), resume, None, expert_cls))
+    else:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    placement = Placement(config, config.trainer.run_name)  # raises PlacementError, naming what is missing
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return Runtime("ray", config.trainer.run_name).spawn(
-        DriverActor, config, str(Path(run_dir).resolve()), resume, placement, expert_cls, name="driver",
-        max_concurrency=2, scheduling_strategy=here)
+        placement = Placement(config, config.trainer.run_name)  # raises PlacementError, naming what is missing
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        driver = Runtime("ray", config.trainer.run_name).spawn(
+            DriverActor, config, str(Path(run_dir).resolve()), resume, placement, expert_cls, name="driver",
+            max_concurrency=2, scheduling_strategy=here)
+        get(driver.poll.remote(0))  # raises what its start-up raised
+    save_config(config, run_dir)
+    return driver
 
 
 def follow(driver, done, on_row=None, seen: int = 0, until=None, interval_s: float = 0.5) -> int:

@@ -38,6 +38,8 @@ def set_key(tree: dict, dotted: str, value) -> None:
         node = nxt
     if isinstance(node, list):
         raise ConfigError(f"invalid config key '{dotted}': give a field, e.g. '{dotted}.lr'")
+    if not isinstance(node, dict):
+        raise ConfigError(f"invalid config key '{dotted}': '{'.'.join(keys[:-1])}' is a value, not a section")
     node[keys[-1]] = value
 
 
@@ -46,3 +48,11 @@ def apply(tree: dict, overrides: list[str]) -> dict:
     for item in overrides:
         set_key(tree, *parse_override(item))
     return tree
+
+
+def merge(base: dict, top: dict) -> dict:
+    """`base` with every key of `top` set on it, section by section (a section in both is merged)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

@@ -7,6 +7,7 @@ works anywhere and a run still fails in one paragraph naming the key instead of 
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,5 +81,51 @@ def preflight(config: Config) -> None:
     for flag, module in LOGGER_PACKAGES.items():
         if getattr(config.logging, flag) and missing(module):
             problems.append(f"logging.{flag}: true needs the '{module}' package: pip install 'jointrl[log]'")
+    problems += [f"{key}: {value} is not a finite number" for key, value in numbers(config.model_dump())
+                 if not math.isfinite(value)]
+    if not problems and (too_big := memory_problem(config)):
+        problems.append(too_big)
     if problems:
         raise ConfigError(invalid(problems))
+
+
+def numbers(tree, prefix: str = ""):
+    """(dotted key, value) of every float in a config dump."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from numbers(value, f"{prefix}{key}.")
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from numbers(value, f"{prefix}{i}.")
+    elif isinstance(tree, float):
+        yield prefix.rstrip("."), tree
+
+
+def step_bytes(config: Config) -> int:
+    """A lower bound on one step's memory: the trajectories (every state of every sample, held by a
+    rollout worker, the object store and the generator expert) and, for the tiny DiT, the
+    activations its update keeps for every trained transition at once."""
+    g, t = config.experts.generator, config.trainer
+    samples, steps, side = t.prompts_per_step * config.algorithm.group_size, g.sample_steps, config.task.image_size
+    latent = 3 * side * side if g.model.kind == "tiny_dit" else 16 * (side // 8) ** 2
+    total = 3 * samples * (steps + 1) * latent * 4
+    if g.model.kind == "tiny_dit":
+        trained = (g.sde_window[1] - g.sde_window[0]) if g.sde_window else steps
+        tokens = (side // g.model.patch) ** 2 + config.text_len()
+        total += samples * trained * tokens * g.model.d_model * g.model.n_layers * 4 * 12
+    return total
+
+
+def memory_problem(config: Config) -> str | None:
+    """Why a step cannot fit in this machine's memory, for a run on a Ray of its own (a cluster's
+    memory is its own to judge); None if it may."""
+    import os
+    if config.cluster.address or os.environ.get("RAY_ADDRESS"):
+        return None
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = step_bytes(config)
+    if need <= have:
+        return None
+    return (f"trainer.prompts_per_step x algorithm.group_size x experts.generator.sample_steps x task.image_size: "
+            f"one step needs at least {need / 2**30:.1f} GiB (its trajectories and the generator's update), this "
+            f"machine has {have / 2**30:.1f} GiB; lower one of them")

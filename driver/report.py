@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from driver.config import ConfigError, run_config
+from driver.config import ConfigError
 from driver.metrics import parse
 from driver.plots import caption, curves, sample_sheet
 from tasks.base import to_uint8
@@ -43,11 +43,10 @@ def latest_samples(run_dir: Path) -> tuple[np.ndarray, list[str], str] | None:
     return images, captions, f"samples at step {meta['step']}"
 
 
-def drawn_samples(run_dir: Path, n: int = 8) -> tuple[np.ndarray, list[str], str]:
+def drawn_samples(run_dir: Path, config, n: int = 8) -> tuple[np.ndarray, list[str], str]:
     """One ODE sample per tag of the task's first evaluation set, from the latest checkpoint, with
     its refinements."""
     from driver.checkpoint import pipeline_at
-    config = run_config(run_dir, "report")
     ckpt, pipeline = pipeline_at(run_dir, config)
     prompts = next(iter(pipeline.task.eval_sets().values()))[::max(1, config.evaluation.per_category)][:n]
     drawn = pipeline.draw(prompts, refine=not config.experts.generator_only, tag="report")
@@ -56,8 +55,10 @@ def drawn_samples(run_dir: Path, n: int = 8) -> tuple[np.ndarray, list[str], str
         f"held-out prompts, {ckpt.name}"
 
 
-def report(run_dir: Path) -> list[Path]:
-    """Write every plot of `run_dir` into RUN_DIR/report/; returns the files written."""
+def report(run_dir: Path, config) -> tuple[list[Path], str | None]:
+    """Write every plot of `run_dir` into RUN_DIR/report/; returns (the files written, why there is
+    no sample sheet, if there is none). Any run with metrics has curves, whether or not it finished
+    or checkpointed; `config()` gives the run's config, read only if samples must be drawn."""
     run_dir = Path(run_dir)
     rows = metric_rows(run_dir)
     out = run_dir / "report"
@@ -75,6 +76,10 @@ def report(run_dir: Path) -> list[Path]:
         curves(rows, keys(rows, "staleness/"), "staleness: versions behind, per expert", "versions", out / "staleness.png"),
         curves(rows, keys(rows, "loss/"), "losses", "loss", out / "losses.png"),
     ]
-    images, captions, title = latest_samples(run_dir) or drawn_samples(run_dir)
-    plots.append(sample_sheet(images, captions, title, out / "samples.png"))
-    return [p for p in plots if p is not None]
+    written, missing = [p for p in plots if p is not None], None
+    try:
+        images, captions, title = latest_samples(run_dir) or drawn_samples(run_dir, config())
+        written.append(sample_sheet(images, captions, title, out / "samples.png"))
+    except ConfigError as e:  # no checkpoint (yet) to draw samples from: the curves stand alone
+        missing = str(e)
+    return written, missing

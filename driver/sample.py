@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from driver import checkpoint
-from driver.config import ConfigError, run_config
+from driver.config import ConfigError
 from driver.images import grid, write_png
 from tasks.base import TextPrompt
 from tasks.shapes import encode_words
@@ -35,14 +35,18 @@ def user_prompt(text: str, config) -> TextPrompt:
     return TextPrompt(" ".join(words))
 
 
-def sample_run(run_dir: Path, text: str, n: int = 4, seed: int = 0, out: Path | None = None) -> dict:
+def sample_run(run_dir: Path, config, text: str, n: int = 4, seed: int = 0, out: Path | None = None) -> dict:
     """`n` images of `text` from the latest checkpoint of `run_dir`, written as one PNG grid;
     returns {"png", "checkpoint", "refinements" (one dict per image, refiner id -> words)}."""
-    config = run_config(run_dir, "--run")
     prompt = user_prompt(text, config)
+    if out is not None and out.is_dir():
+        raise ConfigError(f"--out '{out}' is a folder; name the PNG file to write. Nothing was drawn.")
     ckpt, pipeline = checkpoint.pipeline_at(run_dir, config)
     drawn = pipeline.draw([prompt] * n, refine=not config.experts.generator_only, tag=f"sample/{seed}")
     out = out or Path(run_dir) / "samples" / f"{re.sub(r'[^a-z0-9]+', '-', prompt.text.lower()).strip('-')}-seed{seed}.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_png(out, grid(drawn["images"], cols=min(n, 8)))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_png(out, grid(drawn["images"], cols=min(n, 8)))
+    except OSError as e:
+        raise ConfigError(f"--out '{out}': cannot write it ({e.strerror}); name a writable PNG file.") from None
     return {"png": out, "checkpoint": ckpt, "refinements": drawn["refinements"]}

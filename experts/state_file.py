@@ -6,7 +6,9 @@ hyper-parameters. Nothing is ever loaded through pickle.
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,12 @@ def write(folder: Path, expert_id: str, weights: dict, optimizer: dict | None = 
     for pid, entries in opt["state"].items():
         for key, value in entries.items():
             tensors[f"optimizer.{pid}.{key}"] = torch.as_tensor(value).clone().contiguous()
-    save_file(tensors, str(folder / f"{expert_id}.safetensors"))
+    path = folder / f"{expert_id}.safetensors"
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as e:  # it reports a full disk in its own error type: say it as the OS does
+        code = errno.ENOSPC if "No space left" in str(e) else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from e
     info = info or ExpertInfo(0, -1)
     meta = {"version": info.version, "last_step": info.last_step, "param_groups": opt["param_groups"]}
     (folder / f"{expert_id}.json").write_text(json.dumps(meta, indent=1))

@@ -1,0 +1,185 @@
+"""Nothing is lost when a person stops a run: Ctrl-C and SIGTERM checkpoint the last completed step
+and the resumed run equals the uninterrupted one; one run per folder; resume refuses what would
+change the weights; every command reads its config the same way; every refusal is exit 2."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import driver.cli as cli
+from tests.conftest import assert_same_training, make_config, run_training
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+
+
+def start(*args: str) -> subprocess.Popen:
+    """`python -m driver ARGS` in its own process (its own Ray, when it runs on Ray)."""
+    return subprocess.Popen([sys.executable, "-m", "driver", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def wait_for_rows(proc: subprocess.Popen, run_dir: Path, n: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(rows(run_dir)) < n:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: the same run, never stopped, in-process."""
+    got, _, _ = run_training(make_config(f"trainer.steps={STEPS}", "cluster.mode=inline", preset="shapes-tiny"),
+                             tmp_path_factory.mktemp("reference"))
+    return got
+
+
+@pytest.mark.parametrize("mode, sig", [("ray", signal.SIGINT), ("inline", signal.SIGTERM)])
+def test_an_interrupt_checkpoints_and_the_resumed_run_equals_the_uninterrupted_one(uninterrupted, tmp_path,
+                                                                                    mode, sig):
+    run_dir = tmp_path / "run"
+    proc = start("train", "--config", "shapes-tiny", "--set", f"trainer.steps={STEPS}", "--set",
+                 f"cluster.mode={mode}", "--run-dir", str(run_dir))
+    wait_for_rows(proc, run_dir, 2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err[-2000:]
+    assert "Traceback" not in err and f"resume with: jointrl train --resume {run_dir}" in out
+    done = len(rows(run_dir))
+    assert 2 <= done < STEPS and (run_dir / "checkpoints" / f"step_{done:06d}" / "manifest.json").is_file()
+    resumed = start("train", "--resume", str(run_dir))
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-2000:]
+    assert_same_training(rows(run_dir), uninterrupted)
+
+
+def test_a_second_interrupt_stops_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start("train", "--config", "shapes-tiny", "--set", "trainer.steps=200", "--set", "cluster.mode=inline",
+                 "--run-dir", str(run_dir))
+    wait_for_rows(proc, run_dir, 1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "stopped at once" in err and "Traceback" not in err, err[-2000:]
+
+
+def test_one_run_per_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    first = start("train", "--config", "shapes-tiny", "--set", "trainer.steps=200", "--set", "cluster.mode=inline",
+                  "--run-dir", str(run_dir))
+    wait_for_rows(first, run_dir, 1)
+    second = start("train", "--config", "shapes-tiny", "--set", "cluster.mode=inline", "--run-dir", str(run_dir))
+    _, err = second.communicate(timeout=60)
+    assert second.returncode == 2 and f"in use by another run (pid {first.pid} on " in err, err
+    resume = start("train", "--resume", str(run_dir))
+    _, err = resume.communicate(timeout=60)
+    assert resume.returncode == 2 and f"pid {first.pid}" in err, err
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=60)
+    assert first.returncode == 143
+    again = start("train", "--config", "shapes-tiny", "--set", "cluster.mode=inline", "--run-dir", str(run_dir))
+    _, err = again.communicate(timeout=60)
+    assert again.returncode == 2 and "already holds" in err and f"--resume {run_dir}" in err, err
+
+
+def test_a_folder_left_by_a_run_that_never_started_is_not_reused(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("trainer: {steps: 1}\n")
+    assert cli.main(["train", "--config", "shapes-tiny", "--run-dir", str(tmp_path)]) == 2
+    assert "stopped before its first step" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A short finished run (inline), trained through the CLI."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    assert cli.main(["train", "--config", "shapes-tiny", "--set", "trainer.steps=2", "--set", "cluster.mode=inline",
+                     "--set", "evaluation.per_category=2", "--run-dir", str(run_dir)]) == 0
+    return run_dir
+
+
+@pytest.mark.parametrize("key", ["experts.text_encoder.n_layers=3", "experts.text_encoder.n_heads=2",
+                                 "trainer.seed=7"])
+def test_resume_refuses_what_would_change_the_weights_and_saves_nothing(finished, capsys, key):
+    """The frozen text encoder and the seed are in no checkpoint: the config says what they were."""
+    saved = (finished / "config.yaml").read_bytes()
+    assert cli.main(["train", "--resume", str(finished), "--set", "trainer.steps=4", "--set", key]) == 2
+    err = capsys.readouterr().err
+    assert key.split("=")[0] in err and err.count("\n") == 1, err
+    assert (finished / "config.yaml").read_bytes() == saved
+
+
+def test_eval_applies_set_on_the_run_and_refuses_unknown_keys(finished, capsys):
+    assert cli.main(["eval", "--run", str(finished), "--set", "totally.bogus=1"]) == 2
+    assert "totally" in capsys.readouterr().err
+    assert cli.main(["eval", "--run", str(finished), "--set", "evaluation.refine=false",
+                     "--set", "evaluation.per_category=1"]) == 0
+    report = json.loads((finished / "eval.json").read_text())
+    assert all(len(s) == 7 for s in (report["held_out"], report["paraphrased"]))  # six tags and overall
+    assert "held_out" in capsys.readouterr().out
+
+
+def test_report_of_a_run_without_checkpoints_draws_its_curves_and_says_why_no_samples(finished, tmp_path, capsys):
+    run_dir = tmp_path / "crashed"
+    run_dir.mkdir()
+    for name in ("config.yaml", "metrics.jsonl"):
+        (run_dir / name).write_bytes((finished / name).read_bytes())
+    assert cli.main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert str(run_dir / "report" / "rewards.png") in out and "no samples" in out and "no checkpoints" in out
+
+
+@pytest.mark.parametrize("args, named", [
+    (["train", "--set", "trainer.steps.x=1"], "trainer.steps.x"),
+    (["train", "--set", "experts.refiner_0=5"], "refiner_0"),
+    (["train", "--set", "experts.refiner_0.lr=.inf"], "experts.refiners.0.lr"),
+    (["train", "--set", "algorithm.group_size=100000"], "algorithm.group_size"),
+    (["train", "--set", "task.image_size=4096"], "task.image_size"),
+    (["train", "--run-dir", "/proc/no/such/place"], "/proc/no/such/place"),
+])
+def test_each_user_error_is_one_paragraph_and_exit_2(args, named, tmp_path, capsys):
+    assert cli.main([args[0], "--config", "shapes-tiny", *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert named in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_a_run_dir_that_is_a_file_and_an_out_that_is_a_folder_are_refused(finished, tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert cli.main(["train", "--config", "shapes-tiny", "--run-dir", str(a_file)]) == 2
+    assert str(a_file) in capsys.readouterr().err
+    assert cli.main(["sample", "--run", str(finished), "--prompt", "a red circle", "--out", str(tmp_path)]) == 2
+    assert f"--out '{tmp_path}' is a folder" in capsys.readouterr().err
+
+
+def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_folder(tmp_path):
+    import numpy as np
+
+    from driver import checkpoint
+    from experts.records import ExpertInfo, Snapshot
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        small = {"generator": Snapshot({"w": np.ones(1000, np.float32)}, None, ExpertInfo(1, 0))}
+        checkpoint.save(disk, 1, small)
+        large = {"generator": Snapshot({"w": np.ones(4 << 20, np.float32)}, None, ExpertInfo(2, 1))}
+        with pytest.raises(OSError):
+            checkpoint.save(disk, 2, large)
+        assert [p.name for p in (disk / "checkpoints").iterdir()] == ["step_000001"]
+        assert checkpoint.verify(checkpoint.latest(disk), ["generator"]) == 1
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
