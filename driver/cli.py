@@ -255,7 +255,7 @@ def run_train(args) -> int:
               + (f", resuming from {resume}" if resume else ""), flush=True)
         try:
             summary = train(config, path, resume)
-        except KeyboardInterrupt:
+        except (ConfigError, KeyboardInterrupt):
             raise
         except Exception as e:  # the run dir keeps whatever was written: metrics so far, checkpoints
             cause = getattr(e, "cause", None) or e

@@ -75,7 +75,8 @@ def head(tmp_path_factory):
     gcs, dashboard = free_port(), free_port()
     log = tmp_path_factory.mktemp("head") / "ray-start.log"
     proc = start_head([f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-                       "--include-dashboard=true", "--num-cpus=2"], dict(os.environ), log)
+                       "--include-dashboard=true", "--num-cpus=2"],
+                      {**os.environ, "RAY_JOB_STOP_WAIT_TIME_S": "60"}, log)  # `ray job stop`'s grace before SIGKILL
     url = f"http://127.0.0.1:{dashboard}"
     from ray.job_submission import JobSubmissionClient
     token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
@@ -92,22 +93,25 @@ def head(tmp_path_factory):
     stop_head(proc)
 
 
+def submit(client, entrypoint: str):
+    """The job's id once the head's agent takes it (it may still be starting)."""
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, entrypoint_num_cpus=0, runtime_env={
+                "working_dir": str(ROOT), "excludes": [".git", ".venv", "runs", "bench/results"]})
+        except RuntimeError as e:  # "No available agent to submit job": the head's agent is still starting
+            assert "try again" in str(e) and time.monotonic() < deadline, e
+            time.sleep(1)
+
+
 def test_a_submitted_job_trains_and_writes_its_metrics(head, tmp_path):
     from ray.job_submission import JobStatus
     run_dir = tmp_path / "job-run"
     client = head["client"]
+    job = submit(client, f"python -m driver train --config shapes-tiny --set trainer.steps={JOB_STEPS} "
+                          f"--run-dir {run_dir}")
     deadline = time.monotonic() + 300
-    while True:
-        try:
-            job = client.submit_job(
-                entrypoint=f"python -m driver train --config shapes-tiny --set trainer.steps={JOB_STEPS} "
-                           f"--run-dir {run_dir}",
-                runtime_env={"working_dir": str(ROOT), "excludes": [".git", ".venv", "runs", "bench/results"]},
-                entrypoint_num_cpus=0)
-            break
-        except RuntimeError as e:  # "No available agent to submit job": the head's agent is still starting
-            assert "try again" in str(e) and time.monotonic() < deadline, e
-            time.sleep(1)
     while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
         assert time.monotonic() < deadline, client.get_job_logs(job)[-3000:]
         time.sleep(1)
@@ -118,6 +122,36 @@ def test_a_submitted_job_trains_and_writes_its_metrics(head, tmp_path):
     assert [r["step"] for r in rows] == list(range(JOB_STEPS))
     assert all(r["version/generator"] == r["step"] + 1 for r in rows)
     assert (run_dir / "checkpoints" / f"step_{JOB_STEPS:06d}" / "manifest.json").is_file()
+
+
+def test_ray_job_stop_checkpoints_the_last_completed_step(head, tmp_path):
+    from ray.job_submission import JobStatus
+    run_dir, client = tmp_path / "stopped-job", head["client"]
+    job = submit(client, f"python -m driver train --config shapes-tiny --set trainer.steps=500 --run-dir {run_dir}")
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").is_file() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 2:
+        assert time.monotonic() < deadline and client.get_job_status(job) in {JobStatus.PENDING, JobStatus.RUNNING}, \
+            client.get_job_logs(job)[-3000:]
+        time.sleep(0.5)
+    client.stop_job(job)
+    while client.get_job_status(job) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    logs = client.get_job_logs(job)
+    assert "stopped by SIGTERM after step" in logs and f"resume with: jointrl train --resume {run_dir}" in logs, \
+        logs[-3000:]
+    done = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert (run_dir / "checkpoints" / f"step_{done:06d}" / "manifest.json").is_file()
+
+
+def test_a_client_without_token_auth_is_told_what_it_needs(head, tmp_path):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-m", "driver", "train", "--config", "shapes-tiny", "--set",
+                           f"cluster.address=127.0.0.1:{head['gcs_port']}", "--run-dir", str(tmp_path / "run")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "RAY_AUTH_MODE=token" in done.stderr and "Traceback" not in done.stderr, \
+        done.stderr[-3000:]
 
 
 def test_the_dashboard_and_job_api_listen_on_loopback_only(head):
