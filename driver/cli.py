@@ -146,6 +146,7 @@ def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
     from driver.checkpoint import step_of
     from driver.interrupts import Interrupts
     from driver.launch import follow, start_driver, stop_driver
+    from driver.preflight import fits_cluster
     progress = Progress(config.trainer.steps, step_of(resume) if resume else 0)
     started_here = config.cluster.mode == "ray" and not ray.is_initialized()
     try:
@@ -154,6 +155,7 @@ def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
             with Interrupts(on_first=driver.instance.stop) as interrupts:
                 return {**driver.instance.run(on_row=progress), "interrupted": interrupts}
         connect_to(config.cluster.address)
+        fits_cluster(config)
         driver = start_driver(config, run_dir, resume)
         try:
             with Interrupts() as interrupts:

@@ -116,16 +116,26 @@ def step_bytes(config: Config) -> int:
     return total
 
 
-def memory_problem(config: Config) -> str | None:
-    """Why a step cannot fit in this machine's memory, for a run on a Ray of its own (a cluster's
-    memory is its own to judge); None if it may."""
+def memory_problem(config: Config, have: float | None = None, where: str = "this machine") -> str | None:
+    """Why a step cannot fit in `have` bytes (default: this machine's memory, for a run on a Ray of
+    its own; a cluster's is checked once connected, with what Ray reports); None if it may."""
     import os
-    if config.cluster.address or os.environ.get("RAY_ADDRESS"):
-        return None
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if have is None:
+        if config.cluster.address or os.environ.get("RAY_ADDRESS"):
+            return None
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     need = step_bytes(config)
     if need <= have:
         return None
     return (f"trainer.prompts_per_step x algorithm.group_size x experts.generator.sample_steps x task.image_size: "
-            f"one step needs at least {need / 2**30:.1f} GiB (its trajectories and the generator's update), this "
-            f"machine has {have / 2**30:.1f} GiB; lower one of them")
+            f"one step needs at least {need / 2**30:.1f} GiB (its trajectories and the generator's update), "
+            f"{where} has {have / 2**30:.1f} GiB; lower one of them")
+
+
+def fits_cluster(config: Config) -> None:
+    """Once connected to a cluster: refuse a step bigger than the memory Ray reports for it."""
+    import ray
+    resources = ray.cluster_resources()
+    have = resources.get("memory", 0) + resources.get("object_store_memory", 0)
+    if have and (too_big := memory_problem(config, have, "the Ray cluster")):
+        raise ConfigError(invalid([too_big]))

@@ -5,14 +5,19 @@ prompt is an error that names it, before anything is loaded.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+
+import numpy as np
 
 from driver import checkpoint
 from driver.config import ConfigError
 from driver.images import grid, write_png
 from tasks.base import TextPrompt
 from tasks.shapes import encode_words
+
+CHUNK = 64  # images drawn at once: memory stays bounded whatever -n is
 
 
 def reads_word_ids(config) -> bool:
@@ -41,8 +46,15 @@ def sample_run(run_dir: Path, config, text: str, n: int = 4, seed: int = 0, out:
     prompt = user_prompt(text, config)
     if out is not None and out.is_dir():
         raise ConfigError(f"--out '{out}' is a folder; name the PNG file to write. Nothing was drawn.")
+    image_bytes = 3 * config.task.image_size ** 2 * 4
+    if 2 * n * image_bytes > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2:
+        raise ConfigError(f"-n {n}: {n} images of {config.task.image_size} px would not fit in half of this "
+                          f"machine's memory; draw fewer. Nothing was drawn.")
     ckpt, pipeline = checkpoint.pipeline_at(run_dir, config)
-    drawn = pipeline.draw([prompt] * n, refine=not config.experts.generator_only, tag=f"sample/{seed}")
+    parts = [pipeline.draw([prompt] * min(CHUNK, n - i), refine=not config.experts.generator_only,
+                           tag=f"sample/{seed}", first=i) for i in range(0, n, CHUNK)]
+    drawn = {"images": np.concatenate([d["images"] for d in parts]),
+             "refinements": [r for d in parts for r in d["refinements"]]}
     out = out or Path(run_dir) / "samples" / f"{re.sub(r'[^a-z0-9]+', '-', prompt.text.lower()).strip('-')}-seed{seed}.png"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -128,10 +128,11 @@ class RolloutPipeline:
         every = self.config.logging.images_every
         return bool(every) and (step % every == 0 or step == self.config.trainer.steps - 1)
 
-    def draw(self, prompts: list, refine: bool, tag: str = "eval") -> dict:
+    def draw(self, prompts: list, refine: bool, tag: str = "eval", first: int = 0) -> dict:
         """One ODE sample per prompt (refined by every refiner if `refine`), its draws seeded by
-        `tag` and the prompt's position: {"images", "refinements"}."""
-        samples = [Sample(i, i, p, refine) for i, p in enumerate(prompts)]
+        `tag` and the prompt's position (counted from `first`, so a long list drawn in parts draws
+        the same images): {"images", "refinements"}."""
+        samples = [Sample(first + i, first + i, p, refine) for i, p in enumerate(prompts)]
         refinements, _ = self.refine(tag, samples)
         cond = self.frontend.condition(prompts, refinements)
         states, _ = self.generate(cond, self.noise(tag, samples), sde=False)

@@ -183,3 +183,35 @@ def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_folder(tm
         assert checkpoint.verify(checkpoint.latest(disk), ["generator"]) == 1
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_step_bigger_than_the_clusters_memory_is_refused_once_connected(monkeypatch):
+    import ray
+
+    from driver.config import ConfigError
+    from driver.preflight import fits_cluster
+    config = make_config("algorithm.group_size=64", preset="shapes-tiny")
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "memory": 2.0 ** 30})
+    fits_cluster(config)  # a few MB: it fits
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "memory": 2.0 ** 20})
+    with pytest.raises(ConfigError, match="the Ray cluster has 0.0 GiB"):
+        fits_cluster(config)
+
+
+def test_sample_draws_many_images_in_parts_the_same_as_at_once_and_refuses_too_many(finished, tmp_path, capsys):
+    import numpy as np
+
+    from driver.checkpoint import pipeline_at
+    from driver.config import run_config
+    from tasks.base import TextPrompt
+    _, pipeline = pipeline_at(finished, run_config(finished, "--run"))
+    prompts = [TextPrompt("a red circle")] * 6
+    whole = pipeline.draw(prompts, refine=True, tag="t")
+    parts = [pipeline.draw(prompts[i:i + 4], refine=True, tag="t", first=i) for i in (0, 4)]
+    np.testing.assert_allclose(np.concatenate([p["images"] for p in parts]), whole["images"], atol=1e-5)
+    assert [r for p in parts for r in p["refinements"]] == whole["refinements"]
+    assert cli.main(["sample", "--run", str(finished), "--prompt", "a red circle", "-n", "70",
+                     "--out", str(tmp_path / "many.png")]) == 0
+    assert (tmp_path / "many.png").is_file()
+    assert cli.main(["sample", "--run", str(finished), "--prompt", "a red circle", "-n", str(10 ** 9)]) == 2
+    assert "-n 1000000000" in capsys.readouterr().err
