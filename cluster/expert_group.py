@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ray.exceptions import ObjectLostError
 
+from algorithm.credit import Advantages
 from cluster.expert_actor import ExpertActor
 from cluster.recovery import FaultCounts, RolloutLost, SnapshotLost, keep_here, survive
 from cluster.runtime import Runtime, get
@@ -91,7 +92,7 @@ class ExpertGroup:
         self.published.update(releases)
         return out
 
-    def update(self, step: int, due: list[str], advantages: dict, rollout, remake) -> dict[str, dict]:
+    def update(self, step: int, due: list[str], advantages: Advantages, rollout, remake) -> dict[str, dict]:
         """The due experts' updates on `rollout`, concurrently, then each one's new snapshot; returns
         each expert's stats. If the rollout outputs an update reads were lost with their node,
         `remake()` makes the rollout again (a pure function of step and weights) and the experts
@@ -105,7 +106,7 @@ class ExpertGroup:
                 self.faults.rollouts_lost += 1
                 rollout = remake()
 
-    def apply_updates(self, step: int, due: list[str], advantages: dict, rollout, stats: dict) -> None:
+    def apply_updates(self, step: int, due: list[str], advantages: Advantages, rollout, stats: dict) -> None:
         """Each due expert's update, exactly once. An expert that died is restarted by Ray,
         restored from its previous snapshot and given the same update again; its new snapshot must
         show this step's version."""

@@ -63,10 +63,11 @@ class RolloutPool:
         samples = self.plan(step)
         shares = [list(s) for s in np.array_split(np.array(samples, dtype=object), len(self.workers))]
         rollout = self.in_flight[step] = Rollout(samples, shares, [], dict(experts.published))
-        rollout.outputs = [self.call(worker, step, share, rollout.versions)
+        rollout.outputs = [self.submit_share(worker, step, share, rollout.versions)
                            for worker, share in zip(self.workers, shares)]
 
-    def call(self, worker, step: int, share: list, versions: dict[str, int]) -> RolloutOutputs:
+    def submit_share(self, worker, step: int, share: list, versions: dict[str, int]) -> RolloutOutputs:
+        """One worker's share of a step, made with `versions`: its outputs as separate refs."""
         meta, trajectories, *tokens = worker.rollout.options(num_returns=2 + len(self.refiner_ids)).remote(
             step, share, versions)
         return RolloutOutputs(meta, trajectories, dict(zip(self.refiner_ids, tokens)))
@@ -106,7 +107,7 @@ class RolloutPool:
             def attempt(first, worker=worker, j=j):
                 if not first:
                     settle([rollout.outputs[j].trajectories, *rollout.outputs[j].tokens.values()])
-                    rollout.outputs[j] = self.call(worker, step, rollout.shares[j], rollout.versions)
+                    rollout.outputs[j] = self.submit_share(worker, step, rollout.shares[j], rollout.versions)
                 return get(rollout.outputs[j].meta)
 
             def reload(worker=worker):

@@ -102,20 +102,13 @@ WEIGHT_KEYS = re.compile(r"(experts\.(n_refiners|generator_only|text_encoder\..*
 
 def refuse_weight_changes(saved: Config, resumed: Config, path: Path) -> None:
     """Raise naming the first key an override changed among those that shape the run's weights."""
+    from driver.overrides import flat
     before, after = flat(saved.model_dump()), flat(resumed.model_dump())
     for key in sorted(set(before) | set(after)):
         if WEIGHT_KEYS.fullmatch(key) and before.get(key) != after.get(key):
             raise ConfigError(f"--resume '{path}': --set {key} changes what the run's weights were made with "
                               f"({before.get(key)!r} -> {after.get(key)!r}); a resumed run keeps its models, their "
                               f"frozen parts and its seed. Start a new run for another one. Nothing was started.")
-
-
-def flat(tree, prefix: str = "") -> dict:
-    """A nested dump as {dotted.key: value} (list items by index)."""
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else None
-    if items is None:
-        return {prefix.rstrip("."): tree}
-    return {k: v for key, value in items for k, v in flat(value, f"{prefix}{key}.").items()}
 
 
 class Progress:

@@ -56,3 +56,11 @@ def merge(base: dict, top: dict) -> dict:
     for key, value in top.items():
         out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def flat(tree, prefix: str = "") -> dict:
+    """A nested config dump as {dotted.key: value}, list items by index (`experts.refiners.0.lr`)."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else None
+    if items is None:
+        return {prefix.rstrip("."): tree}
+    return {k: v for key, value in items for k, v in flat(value, f"{prefix}{key}.").items()}

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from safetensors import safe_open
 
 from driver.config import ConfigError, invalid
+from driver.overrides import flat
 from tasks.reward_guard import resolve
 
 if TYPE_CHECKING:
@@ -81,24 +82,12 @@ def preflight(config: Config) -> None:
     for flag, module in LOGGER_PACKAGES.items():
         if getattr(config.logging, flag) and missing(module):
             problems.append(f"logging.{flag}: true needs the '{module}' package: pip install 'jointrl[log]'")
-    problems += [f"{key}: {value} is not a finite number" for key, value in numbers(config.model_dump())
-                 if not math.isfinite(value)]
+    problems += [f"{key}: {value} is not a finite number" for key, value in flat(config.model_dump()).items()
+                 if isinstance(value, float) and not math.isfinite(value)]
     if not problems and (too_big := memory_problem(config)):
         problems.append(too_big)
     if problems:
         raise ConfigError(invalid(problems))
-
-
-def numbers(tree, prefix: str = ""):
-    """(dotted key, value) of every float in a config dump."""
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from numbers(value, f"{prefix}{key}.")
-    elif isinstance(tree, list):
-        for i, value in enumerate(tree):
-            yield from numbers(value, f"{prefix}{i}.")
-    elif isinstance(tree, float):
-        yield prefix.rstrip("."), tree
 
 
 def step_bytes(config: Config) -> int:
