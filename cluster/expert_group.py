@@ -65,13 +65,11 @@ class ExpertGroup:
         get(snapshot.info)
         return snapshot
 
-    def release(self, e: str) -> Release:
-        """Expert `e`'s latest version as workers are given it."""
-        return Release(self.versions[e], self.snapshots[e].weights, get(self.snapshots[e].info).checksum)
-
     def publish(self, expert_ids: list[str]) -> SyncResult:
         """Deliver the latest versions of `expert_ids` to every rollout worker."""
-        return self.deliver({e: self.release(e) for e in expert_ids}, current=True)
+        infos = get({e: self.snapshots[e].info for e in expert_ids})
+        return self.deliver({e: Release(self.versions[e], self.snapshots[e].weights, infos[e].checksum)
+                             for e in expert_ids}, current=True)
 
     def deliver(self, releases: dict[str, Release], current: bool = False) -> SyncResult:
         """Give every worker these releases and wait for their acknowledgements. `current`: the

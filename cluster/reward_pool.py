@@ -11,13 +11,14 @@ import torch
 
 from cluster.recovery import survive
 from cluster.runtime import get
-from tasks.reward_guard import resolve
+from tasks import build_task
+from tasks.reward_guard import reward_fn
 
 
 class RewardActor:
     def __init__(self, config, index: int):
         torch.set_num_threads(1)
-        self.fn, self.index = resolve(config.reward.fn), index
+        self.fn, self.index = reward_fn(config, build_task(config)), index
 
     def score(self, images, prompts, refinements, owners) -> dict:
         return self.fn(images, prompts, refinements, owners)

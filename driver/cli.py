@@ -89,7 +89,8 @@ def prepare_resume(path: Path, config_arg: str | None, overrides: list[str]) -> 
     step = checkpoint.verify(ckpt, config.experts.ids())
     for eid in config.experts.ids():
         checkpoint.check_shapes(ckpt, eid, build_model(config, eid, fresh=True))
-    refuse_weight_changes(run_config(path, "--resume"), config, path)  # what a checkpoint's shapes cannot show
+    if overrides:  # what a checkpoint's shapes cannot show
+        refuse_weight_changes(run_config(path, "--resume"), config, path)
     if step >= config.trainer.steps:
         raise ConfigError(f"--resume '{path}': the run is complete ({step} of trainer.steps={config.trainer.steps}); "
                           f"raise it with --set trainer.steps=N to train further")

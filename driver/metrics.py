@@ -27,12 +27,11 @@ def marked_timer(name: str, timings: dict[str, float]):
 
 
 def step_row(step: int, config, meta, total: np.ndarray, valid: np.ndarray, refined: np.ndarray,
-             lag: dict[str, np.ndarray], versions: dict[str, int], stats: dict[str, dict],
-             actor_faults: dict[str, int], sync, timings: dict[str, float]) -> dict:
+             owns: dict[str, list[str]], lag: dict[str, np.ndarray], versions: dict[str, int],
+             stats: dict[str, dict], actor_faults: dict[str, int], sync, timings: dict[str, float]) -> dict:
     """The metrics row of a step: `meta` is its rollout's (experts/pipeline.py), `valid` the samples
-    learnt from, `lag` each sample's versions behind each expert, `stats` the updates', `sync` the
-    publish's result and `timings` the driver's phases (marked_timer)."""
-    owns = {e: r.owns for e, r in config.experts.active_refiners().items()}
+    learnt from, `owns` each refiner's terms, `lag` each sample's versions behind each expert,
+    `stats` the updates', `sync` the publish's result and `timings` the driver's phases (marked_timer)."""
     return {"step": step, "n_experts": len(versions), "credit": config.algorithm.credit,
             "rollouts": (step + 1) * config.trainer.prompts_per_step * config.algorithm.group_size,
             **reward_metrics(meta.terms, total, valid, refined & valid, owns),

@@ -9,7 +9,7 @@ term, the refiners that own it; it returns named terms (arrays of B).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -43,10 +43,6 @@ class TextPrompt:
 def to_uint8(image: np.ndarray) -> np.ndarray:
     """An image as generators make them and rewards receive them, (3, H, W) in [-1, 1], as uint8 (H, W, 3)."""
     return np.clip((image.transpose(1, 2, 0) + 1) * 127.5, 0, 255).astype(np.uint8)
-
-
-Reward = Callable[[np.ndarray, Sequence[PromptRecord], Sequence[Mapping[str, Refinement]], Mapping[str, list]],
-                  Mapping[str, np.ndarray]]
 
 
 class Task(Protocol):

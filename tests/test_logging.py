@@ -81,3 +81,10 @@ def test_report_of_a_run_without_logged_samples_draws_them(tmp_path, capsys):
     looks_like_a_picture(run_dir / "report" / "samples.png")
     assert cli.main(["report", str(tmp_path / "nothing")]) == 2
     assert "no metrics" in capsys.readouterr().err
+
+
+def test_a_reward_pool_scores_with_the_tasks_own_reward_when_no_plugin_is_named(tmp_path):
+    base = ["trainer.steps=2", "cluster.mode=inline"]
+    pooled, _, _ = run_training(make_config(*base, "reward.actors=1", preset="shapes-tiny"), tmp_path / "pooled")
+    local, _, _ = run_training(make_config(*base, preset="shapes-tiny"), tmp_path / "local")
+    assert_same_training(pooled, local)
