@@ -19,6 +19,14 @@ counterfactual: refiner k uses the difference reward D_k = R - R(without y_k), w
              with the default action "no refinement": it needs no hand-made decomposition of the
              reward, and the shared noise makes R and R(without y_k) differ only by y_k. The
              generator is credited as in per_expert.
+
+normalize=per_term: each term is first standardised within its prompt group (over the valid
+samples), z_t = (r_t - mean_g(r_t)) / (std_g(r_t) + 1e-4), and the weights apply to z_t: a term on
+a large scale (PickScore's ~20) no longer drowns one on [0, 1], and a term with no spread in a
+group adds nothing to it (GRPO's eq. 3 normalisation applied to each reward before they are summed).
+Counterfactual
+totals are standardised with the group's statistics of the real samples, so D_k = sum_t w_t
+(r_t - r_t(without y_k)) / (std_g(r_t) + 1e-4).
 """
 from __future__ import annotations
 
@@ -28,9 +36,31 @@ import numpy as np
 
 
 
-def total_reward(terms: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarray:
-    """The scalar reward: the weighted sum of the named terms."""
-    return sum(w * terms[t] for t, w in weights.items())
+class Scale(NamedTuple):
+    """Per sample, the mean and std of a term over its prompt group (per_term normalisation)."""
+    mean: np.ndarray
+    std: np.ndarray
+
+
+def total_reward(terms: dict[str, np.ndarray], weights: dict[str, float],
+                 scales: dict[str, Scale] | None = None) -> np.ndarray:
+    """The scalar reward: the weighted sum of the named terms, each standardised by `scales` if given."""
+    if scales is None:
+        return sum(w * terms[t] for t, w in weights.items())
+    return sum(w * (terms[t] - scales[t].mean) / (scales[t].std + 1e-4) for t, w in weights.items())
+
+
+def term_scales(terms: dict[str, np.ndarray], groups: np.ndarray, include: np.ndarray) -> dict[str, Scale]:
+    """Each term's group mean and std over `include`, spread to the group's samples."""
+    out = {}
+    for t, values in terms.items():
+        mean, std = np.zeros(len(values)), np.zeros(len(values))
+        for g in np.unique(groups):
+            sel = (groups == g) & include
+            if sel.any():
+                mean[groups == g], std[groups == g] = values[sel].mean(), values[sel].std()
+        out[t] = Scale(mean, std)
+    return out
 
 
 def group_normalise(values: np.ndarray, groups: np.ndarray, include: np.ndarray, clip: float) -> np.ndarray:
@@ -53,27 +83,31 @@ class Advantages(NamedTuple):
 
 def advantages(mode: str, terms: dict[str, np.ndarray], weights: dict[str, float], groups: np.ndarray,
                refined: np.ndarray, owns: dict[str, list[str]], clip: float,
-               counterfactual: dict[str, np.ndarray] | None = None, valid: np.ndarray | None = None,
-               generator_terms: list[str] | None = None) -> Advantages:
+               counterfactual: dict[str, dict[str, np.ndarray]] | None = None, valid: np.ndarray | None = None,
+               generator_terms: list[str] | None = None, per_term: bool = False) -> Advantages:
     """Every expert's advantage of every sample. `owns` maps each refiner to the terms it is
-    credited with, `generator_terms` the generator's (None: the total); samples not `valid`
-    (their reward failed) get 0 and are left out of every group's statistics."""
+    credited with, `generator_terms` the generator's (None: the total); `counterfactual` holds,
+    per refiner, the terms of its counterfactual samples (NaN where not drawn). Samples not `valid`
+    (their reward failed) get 0 and are left out of every group's statistics; `per_term`
+    standardises each term within its group before weighting."""
     everyone = np.ones_like(refined, dtype=bool) if valid is None else np.asarray(valid, bool)
     refined = refined & everyone
-    total = total_reward(terms, weights)
+    scales = term_scales(terms, groups, everyone) if per_term else None
+    total = total_reward(terms, weights, scales)
     shared = group_normalise(total, groups, everyone, clip)
     generator = shared
     if generator_terms and mode != "shared":
-        generator = group_normalise(total_reward(terms, {t: weights[t] for t in generator_terms}), groups, everyone, clip)
+        generator = group_normalise(total_reward(terms, {t: weights[t] for t in generator_terms}, scales), groups,
+                                    everyone, clip)
     refiners = {}
     for eid, owned in owns.items():
         if mode == "shared":
             refiners[eid] = np.where(refined, shared, 0.0)
         elif mode == "per_expert":
-            own = total_reward(terms, {t: weights[t] for t in owned})
+            own = total_reward(terms, {t: weights[t] for t in owned}, scales)
             refiners[eid] = group_normalise(own, groups, refined, clip)
         elif mode == "counterfactual":
-            without = counterfactual[eid]
+            without = total_reward(counterfactual[eid], weights, scales)
             drawn = refined & ~np.isnan(without)
             refiners[eid] = group_normalise(np.where(drawn, total - np.nan_to_num(without), 0.0), groups, drawn, clip)
         else:

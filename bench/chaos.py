@@ -30,7 +30,8 @@ import ray  # noqa: E402
 from cluster.runtime import get  # noqa: E402
 from driver.config import load_config  # noqa: E402
 from driver.launch import start_driver, stop_driver  # noqa: E402
-from tasks.reward import shapes_reward  # noqa: E402
+from tasks.rewards.base import Options  # noqa: E402
+from tasks.rewards.shapes import ShapesImage  # noqa: E402
 
 FAULT_LOG = "JOINTRL_CHAOS_LOG"
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
@@ -38,10 +39,10 @@ FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_m
 POOL = {"pool": 10}  # what the simulated worker nodes offer; every actor but the driver needs a share
 
 
-def flaky_reward(images, prompts, refinements, owners):
-    """The shapes reward, except for ~3% of samples (chosen by a hash of the image, so a retried
+def flaky_reward(images, prompts, refinements):
+    """The shapes image term, except for ~3% of samples (chosen by a hash of the image, so a retried
     sample fails the same way): it raises, returns NaN, or hangs past the timeout."""
-    terms = shapes_reward(images, prompts, refinements, owners)
+    values = ShapesImage(Options(), None)(images, prompts, refinements)
     for i, image in enumerate(images):
         roll = int(hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest()[:8], 16) % 1000
         kind = "raise" if roll < 10 else "nan" if roll < 20 else "hang" if roll < 25 else None
@@ -53,8 +54,8 @@ def flaky_reward(images, prompts, refinements, owners):
             raise RuntimeError("chaos: the reward model crashed")
         if kind == "hang":
             time.sleep(1.5)
-        terms["image"][i] = np.nan
-    return terms
+        values[i] = np.nan
+    return values
 
 
 def config(steps: int, run_name: str, chaos: bool, nodes: bool):
@@ -64,7 +65,7 @@ def config(steps: int, run_name: str, chaos: bool, nodes: bool):
         sets += [f"cluster.rollout_{share}"] + [f"experts.{e}.{share}" for e in
                                                ("refiner_0", "refiner_1", "refiner_2", "generator")]
     if chaos:
-        sets += ["reward.fn=chaos:flaky_reward", "reward.timeout_s=0.5"]
+        sets += ["reward.terms.image.fn=chaos:flaky_reward", "reward.timeout_s=0.5"]
     cfg = load_config("shapes-tiny", sets)
     cfg.trainer.run_name = run_name
     return cfg

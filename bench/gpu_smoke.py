@@ -1,9 +1,12 @@
-"""Two joint steps on a GPU, for when one is lent: every expert and the rollout worker on the GPU
-(fractional GPUs of one device), the `gpu` preset's models (Qwen2.5-0.5B-Instruct refiners,
-SD3.5-medium, LoRA, bf16; they must be in the Hugging Face cache or reachable) or, with --tiny, the
-tiny random HF models built here (no download), on the GPU all the same. Prints where each actor's
-models live, each step's metrics, and writes the run's report.
-Usage: python bench/gpu_smoke.py [--tiny] [--collective] [--run-dir DIR]
+"""Two joint steps on a GPU, for when one is lent: every expert, the rollout worker and the reward
+actors on the GPU (fractional GPUs of one device), a preset's models (`gpu`: Qwen2.5-0.5B-Instruct
+refiners, SD3.5-medium, LoRA, bf16; `geneval`, `pickscore`, `ocr`: the same experts on a real task
+with its reward model in a pool; they must be in the Hugging Face cache or reachable, and the
+real-task presets need Flow-GRPO's prompt files) or, with --tiny, tiny random models built here (no
+download), on the GPU all the same: for a real-task preset, `prompts-tiny`'s task, data and every
+reward term, placed as the preset places them. Prints where each actor's models live, each step's
+metrics (and an evaluation), and writes the run's report.
+Usage: python bench/gpu_smoke.py [--preset gpu|geneval|pickscore|ocr] [--tiny] [--collective] [--run-dir DIR]
 """
 from __future__ import annotations
 
@@ -35,8 +38,21 @@ def tiny_overrides(models: Path) -> list[str]:
             "experts.refiner_1.max_new_tokens=8"]
 
 
+def tiny_task_overrides(preset: str) -> list[str]:
+    """`prompts-tiny`'s models, data and reward terms, with the GPU shares of `preset`."""
+    from driver.config import resolve_config
+    real = resolve_config(preset)
+    shares = [f"experts.refiner_{i}.resources.num_gpus={r.resources.num_gpus}" for i, r in enumerate(real.experts.refiners)]
+    shares += [f"experts.generator.resources.num_gpus={real.experts.generator.resources.num_gpus}",
+               f"cluster.rollout_resources.num_gpus={real.cluster.rollout_resources.num_gpus}",
+               "reward.terms.geneval.resources={num_gpus: 0.05}", "reward.terms.pickscore.resources={num_gpus: 0.05}",
+               "experts.generator.model.dtype=bfloat16", "evaluation.every=2"]
+    return shares
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="gpu", choices=("gpu", "geneval", "pickscore", "ocr"))
     p.add_argument("--tiny", action="store_true", help="tiny random HF models instead of the preset's")
     p.add_argument("--collective", action="store_true", help="weight sync by NCCL broadcast")
     p.add_argument("--run-dir", default=f"runs/gpu-smoke-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -46,9 +62,11 @@ def main() -> int:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = ["trainer.steps=2", "logging.images_every=1", "logging.tensorboard=true"]
-    overrides += tiny_overrides(run_dir / "models") if args.tiny else []
+    real_task = args.preset != "gpu"
+    if args.tiny:
+        overrides += tiny_task_overrides(args.preset) if real_task else tiny_overrides(run_dir / "models")
     overrides += ["cluster.sync=collective", "cluster.collective_backend=nccl"] if args.collective else []
-    cfg = load_config("gpu", overrides)
+    cfg = load_config("prompts-tiny" if args.tiny and real_task else args.preset, overrides)
     cfg.trainer.run_name = run_dir.resolve().name
     ray.init(address="local", include_dashboard=False, namespace="jointrl")
     start = time.perf_counter()
@@ -58,6 +76,8 @@ def main() -> int:
         actors = {f"expert/{e}": ray.get_actor(f"{cfg.trainer.run_name}/expert/{e}", namespace="jointrl")
                   for e in cfg.experts.ids()}
         actors["rollout/0"] = ray.get_actor(f"{cfg.trainer.run_name}/rollout/0", namespace="jointrl")
+        for term, (n, _) in cfg.reward.pools().items():
+            actors[f"reward/{term}/0"] = ray.get_actor(f"{cfg.trainer.run_name}/reward/{term}/0", namespace="jointrl")
         for name, handle in actors.items():
             print(f"{name}: models on {get(handle.__ray_call__.remote(lambda self: str(self.device)))}")
     finally:
@@ -65,8 +85,8 @@ def main() -> int:
         ray.shutdown()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
-        print({k: v for k, v in r.items() if k.startswith(("step", "reward/total", "loss/", "version/", "time/step_s",
-                                                            "sync/via", "sample/"))})
+        print({k: v for k, v in r.items() if k.startswith(("step", "reward/", "loss/", "version/", "time/step_s",
+                                                            "sync/via", "sample/", "eval/"))})
     print(f"{len(rows)} steps in {time.perf_counter() - start:.1f} s; report: "
           + ", ".join(p.name for p in report(run_dir, lambda: cfg)[0]))
     ok = len(rows) == 2 and all(r[f"version/{e}"] == 2 for r in rows[-1:] for e in cfg.experts.ids())

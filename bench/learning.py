@@ -140,6 +140,13 @@ def fmt(values, digits=3, missed=0) -> str:
     return f">= {text} ({missed}/{len(values)} not reached)" if missed else text
 
 
+def strict_accuracy(report: dict, name: str) -> float:
+    """A set's strict accuracy (mean over the categories) as the method is used: refined where it
+    has refiners."""
+    by_mode = report["sets"][name]
+    return by_mode["refined" if "refined" in by_mode else "unrefined"]["image/strict"]["overall"]
+
+
 def summarise(runs: dict[str, list[dict]], window: int) -> tuple[float, float, dict]:
     """Target: generator-only's final reward (mean over seeds); its rollouts: the mean over its seeds
     of the rollouts it took to get there. Per method and seed: rollouts to the target and their
@@ -151,8 +158,8 @@ def summarise(runs: dict[str, list[dict]], window: int) -> tuple[float, float, d
     reference = float(np.nan_to_num(reach["generator_only"], nan=budget).mean())
     out = {}
     for method, seeds in runs.items():
-        held = [r["eval"]["held_out"]["overall"] for r in seeds]
-        para = [r["eval"]["paraphrased"]["overall"] for r in seeds]
+        held = [strict_accuracy(r["eval"], "held_out") for r in seeds]
+        para = [strict_accuracy(r["eval"], "paraphrased") for r in seeds]
         capped = np.nan_to_num(reach[method], nan=budget)
         out[method] = {"reach": capped, "missed": int(np.isnan(reach[method]).sum()), "ratio": capped / reference,
                        "final": [smooth(r["reward"], window)[-1] for r in seeds],

@@ -38,8 +38,7 @@ from cluster.runtime import get  # noqa: E402
 from driver.config import load_config  # noqa: E402
 from driver.launch import start_driver, stop_driver  # noqa: E402
 
-SCORED = ["reward.fn=bench.scored_reward:shapes_and_scorer",
-          "reward.weights={image: 1.0, fidelity: 0.5, style: 0.5, format: 0.5, scorer: 0.0}"]
+SCORED = ["reward.terms.scorer={fn: bench.scored_reward:scorer_term, weight: 0.0}"]
 
 
 class SleepyExpert(ExpertActor):

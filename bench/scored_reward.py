@@ -1,9 +1,10 @@
-"""A reward plug-in for bench/perf.py: the shapes reward plus a reward model's forward pass of a
+"""A reward term for bench/perf.py, beside the shapes terms: a reward model's forward pass of a
 fixed cost, as a learned scorer (ImageReward, a VLM judge) adds to every rollout.
 
 The scorer is a small random-weight CNN run `JOINTRL_SCORER_PASSES` times over the batch (read
 from the environment, so the bench can set the cost it calibrated); its score is the term
-`scorer`, which the bench gives weight 0. Use: `reward.fn=bench.scored_reward:shapes_and_scorer`.
+`scorer`, which the bench gives weight 0.
+Use: `reward.terms.scorer={fn: bench.scored_reward:scorer_term, weight: 0.0}`.
 """
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import os
 
 import numpy as np
 import torch
-
-from tasks.reward import shapes_reward
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,7 +33,5 @@ def score(images: np.ndarray, passes: int) -> np.ndarray:
     return (total / max(passes, 1)).numpy().astype(np.float64)
 
 
-def shapes_and_scorer(images, prompts, refinements, owners):
-    terms = shapes_reward(images, prompts, refinements, owners)
-    terms["scorer"] = score(images, int(os.environ.get("JOINTRL_SCORER_PASSES", "0")))
-    return terms
+def scorer_term(images, prompts, refinements):
+    return score(images, int(os.environ.get("JOINTRL_SCORER_PASSES", "0")))

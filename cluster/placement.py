@@ -29,7 +29,8 @@ def demand(config) -> dict[str, dict[str, dict[str, float]]]:
     experts = {f"expert/{e}": bundle(config.expert(e).resources) for e in config.experts.ids()}
     workers = {f"rollout/{j}": bundle(config.cluster.rollout_resources)
                for j in range(config.cluster.rollout_workers)}
-    rewards = {f"reward/{k}": bundle(config.reward.resources) for k in range(config.reward.actors)}
+    rewards = {f"reward/{term}/{k}": bundle(resources)
+               for term, (n, resources) in config.reward.pools().items() for k in range(n)}
     groups = {"actors": {**experts, **workers, **rewards}} if config.cluster.colocate else {
         "experts": experts, "rollout": {**workers, **rewards}}
     return {g: {name: b for name, b in actors.items() if b} for g, actors in groups.items()}

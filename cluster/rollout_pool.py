@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.recovery import FaultCounts, NotSynced, settle, survive
-from cluster.reward_pool import RewardActor
+from cluster.reward_pool import spawn_pools
 from cluster.rollout_worker import RolloutWorker
 from cluster.runtime import Runtime, get
 from experts.pipeline import RolloutMeta, RolloutOutputs
@@ -50,9 +50,8 @@ class RolloutPool:
         """`plan(step)`: the samples of `step` (algorithm/batch.py)."""
         self.config, self.runtime, self.faults, self.plan = config, runtime, faults, plan
         self.refiner_ids = list(config.experts.active_refiners())
-        self.rewarders = [runtime.spawn_member(RewardActor, config, k, name=f"reward/{k}",
-                                               resources=config.reward.resources) for k in range(config.reward.actors)]
-        self.workers = [runtime.spawn_member(RolloutWorker, config, j, self.rewarders or None, name=f"rollout/{j}",
+        self.reward_pools = spawn_pools(config, runtime)
+        self.workers = [runtime.spawn_member(RolloutWorker, config, j, self.reward_pools, name=f"rollout/{j}",
                                              resources=config.cluster.rollout_resources)
                         for j in range(config.cluster.rollout_workers)]
         self.in_flight: dict[int, Rollout] = {}  # submitted, not yet collected, at most max_staleness ahead
@@ -136,5 +135,9 @@ class RolloutPool:
         return {s: {e: (w.version, get(w.weights)) for e, w in r.weights.items() if w.version != versions[e]}
                 for s, r in self.in_flight.items()}
 
+    def evaluate(self) -> dict:
+        """The task's evaluation report, made by the first worker with the weights it serves now."""
+        return get(self.workers[0].evaluation.remote())
+
     def actors(self) -> list:
-        return [*self.workers, *self.rewarders]
+        return [*self.workers, *(a for actors in self.reward_pools.values() for a in actors)]

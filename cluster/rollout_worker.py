@@ -11,10 +11,11 @@ import torch
 
 from cluster.collective import BroadcastMember, layout
 from cluster.recovery import NotSynced, this_node
-from cluster.reward_pool import PooledReward
+from cluster.reward_pool import PooledTerm
 from experts.devices import actor_device
 from experts.pipeline import RolloutPipeline
 from experts.weights import fingerprint, model_tensors, synced_state, travel_form
+from tasks.evaluation import evaluate_sets
 
 
 class CorruptWeights(RuntimeError):
@@ -22,11 +23,13 @@ class CorruptWeights(RuntimeError):
 
 
 class RolloutWorker(RolloutPipeline, BroadcastMember):
-    def __init__(self, config, index: int, reward_actors: list | None = None):
-        """`reward_actors`: the pool that scores this worker's batches (`reward.actors`), if any."""
+    def __init__(self, config, index: int, reward_pools: dict[str, list] | None = None):
+        """`reward_pools`: term -> the actors that score it (cluster/reward_pool.py); the other
+        terms are scored here."""
         torch.set_num_threads(1)
-        score = PooledReward(reward_actors, index, config.cluster.max_restarts) if reward_actors else None
-        super().__init__(config, score, actor_device(config.cluster.rollout_resources))
+        scorers = {term: PooledTerm(actors, index, config.cluster.max_restarts)
+                   for term, actors in (reward_pools or {}).items()}
+        super().__init__(config, scorers, actor_device(config.cluster.rollout_resources))
         self.index = index
         self.held: dict[str, dict[int, dict]] = {eid: {} for eid in self.models}  # expert -> version -> tensors
 
@@ -65,6 +68,10 @@ class RolloutWorker(RolloutPipeline, BroadcastMember):
         for expert_id, version in versions.items():
             self.use(expert_id, version)
             self.held[expert_id] = {v: w for v, w in self.held[expert_id].items() if v >= version}
+
+    def evaluation(self) -> dict:
+        """The task's evaluation (tasks/evaluation.py) with the weights served now."""
+        return evaluate_sets(self.config, self)
 
     def rollout(self, step: int, samples: list, versions: dict[str, int] | None = None) -> tuple:
         """`samples` made with the experts' `versions` (None: those served now), returned as

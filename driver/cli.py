@@ -26,10 +26,12 @@ def parse_args(argv):
     where.add_argument("--resume", default=None, metavar="RUN_DIR",
                        help="continue a stopped run from its latest checkpoint, with its saved config")
     pre = sub.add_parser("pretrain", help="flow-match the base generator and text encoder (cached)")
-    e = sub.add_parser("eval", help="strict accuracy per category on held-out and paraphrased prompts")
+    e = sub.add_parser("eval", help="every reward term (and GenEval-style strict accuracy) per tag on the task's "
+                                    "evaluation sets, with and without refinement")
     which = e.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", help="a run directory (its latest checkpoint is evaluated)")
     which.add_argument("--base", help="a pretrained base folder (evaluated without refinement)")
+    e.add_argument("--no-refine", action="store_true", help="only unrefined prompts (evaluation.refine=false)")
     s = sub.add_parser("sample", help="refine a prompt with a run's refiners and draw it with its generator")
     s.add_argument("--run", required=True, help="a run directory (its latest checkpoint is used)")
     s.add_argument("--prompt", required=True, help="words of the task's vocabulary, e.g. 'a red circle'")
@@ -180,14 +182,16 @@ def connect_to(address: str | None) -> None:
 
 def evaluate(args) -> int:
     from driver.evaluate import evaluate_base, evaluate_run, table
-    if args.run:
-        where = Path(args.run)
-        report = evaluate_run(where, run_config(where, "--run", args.overrides, layer=args.config))
-    else:
-        where = Path(args.base)
-        report = evaluate_base(load_config(args.config, args.overrides), where)
+    overrides = [*args.overrides, *(["evaluation.refine=false"] if args.no_refine else [])]
+    with tqdm(desc="jointrl eval", unit="image", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
+        if args.run:
+            where = Path(args.run)
+            report = evaluate_run(where, run_config(where, "--run", overrides, layer=args.config), bar.update)
+        else:
+            where = Path(args.base)
+            report = evaluate_base(load_config(args.config, overrides), where, bar.update)
     print(f"jointrl: evaluation of {report['checkpoint']}\n{table(report)}\n"
-          f"  written to {where / 'eval.json'}, samples in {where / 'eval_samples.png'}")
+          f"  written to {where / 'eval.json'}; images in {where / 'eval_samples.png'} and {where / 'eval_sheet.png'}")
     return 0
 
 

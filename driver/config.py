@@ -19,7 +19,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 from experts.generator import GeneratorConfig
 from experts.refiner import RefinerConfig
 from experts.spec import Resources, Strict, TextEncoderConfig
-from tasks.reward import TERMS, TEXT_TERMS
+from tasks.rewards.term import TermConfig
 from tasks.shapes import MAX_PROMPT_WORDS
 
 
@@ -70,11 +70,7 @@ class ExpertsConfig(Strict):
         if len(self.refiners) > self.n_refiners:
             last = self.refiner_id(len(self.refiners) - 1)
             raise ValueError(f"{last} is configured but n_refiners={self.n_refiners}")
-        refiners = self.refiners + [RefinerConfig() for _ in range(self.n_refiners - len(self.refiners))]
-        for i, r in enumerate(refiners):
-            if r.owns is None:
-                r.owns = [TEXT_TERMS[i % len(TEXT_TERMS)]]
-        self.__dict__["refiners"] = refiners
+        self.__dict__["refiners"] = self.refiners + [RefinerConfig() for _ in range(self.n_refiners - len(self.refiners))]
         return self
 
     @model_validator(mode="after")
@@ -161,30 +157,49 @@ class ClusterConfig(Strict):
 
 
 class RewardConfig(Strict):
-    """The reward: its function, the weights of its named terms, and where it is computed."""
-    weights: dict[str, NonNegativeFloat] = Field({"image": 1.0, "fidelity": 0.5, "style": 0.5, "format": 0.5},
-                                                 description="weight of each named reward term in the total")
-    fn: str | None = Field(None, description="package.module:function returning the named terms; None: the "
-                                             "task's own reward (shapes: tasks.reward:shapes_reward)")
+    """The reward: named terms, each scored by a built-in or a plug-in, summed with their weights."""
+    terms: dict[str, TermConfig] | None = Field(None, description="the named reward terms, "
+                                                "`reward.terms.<name>: {fn, weight, …}`; None: the task's own "
+                                                "(shapes: image, fidelity, style, format)")
+    normalize: Literal["none", "per_term"] = Field("none", description="per_term: each term is normalised within "
+                                                   "its prompt group before the weighted sum the advantages use, "
+                                                   "so no term dominates by its scale")
     timeout_s: PositiveFloat = Field(60.0, description="seconds a reward call may take; a slower one drops its "
                                                        "samples")
-    actors: NonNegativeInt = Field(0, description="K > 0: a pool of K reward actors scores every batch (a reward "
-                                                  "model loaded once per actor); 0: each rollout worker scores")
-    resources: Resources = Field(Resources(), description="what each reward actor reserves from Ray")
+    actors: NonNegativeInt = Field(0, description="default for every term that scores images: K > 0: a pool of K "
+                                                  "reward actors per term (its model loaded once per actor); 0: "
+                                                  "each rollout worker scores (text terms always, unless their "
+                                                  "own `actors` says)")
+    resources: Resources = Field(Resources(), description="default for every term: what each reward actor "
+                                                          "reserves from Ray")
 
-    @model_validator(mode="after")
-    def _known_terms(self):
-        unknown = sorted(set(self.weights) - set(TERMS))
-        if self.fn is None and unknown:  # a custom reward function names its own terms
-            raise ValueError(f"unknown reward terms {unknown}; the shapes reward has {list(TERMS)}")
-        return self
+    @property
+    def weights(self) -> dict[str, float]:
+        """Every term's weight in the total."""
+        return {name: term.weight for name, term in (self.terms or {}).items()}
+
+    def pools(self) -> dict[str, tuple[int, Resources]]:
+        """The terms scored by reward actors: name -> (how many actors, what each reserves)."""
+        out = {}
+        for name, term in (self.terms or {}).items():
+            k = term.actors if term.actors is not None else self.actors if term.needs_images() else 0
+            if k:
+                out[name] = (k, term.resources or self.resources)
+        return out
 
 
 class EvaluationConfig(Strict):
-    """`jointrl eval`: strict accuracy on a fixed held-out prompt set and its paraphrases."""
-    per_category: PositiveInt = Field(20, description="held-out prompts per GenEval category")
-    seed: int = Field(1234, description="fixes the held-out set (not the run's seed)")
-    refine: bool = Field(True, description="refine eval prompts with the trained refiners")
+    """`jointrl eval`, and evaluation during training: every reward term on the task's held-out sets."""
+    per_category: PositiveInt = Field(20, description="shapes: held-out prompts per GenEval category")
+    seed: int = Field(1234, description="shapes: fixes the held-out set (not the run's seed)")
+    refine: bool = Field(True, description="also score eval prompts refined by the trained refiners (besides "
+                                           "unrefined)")
+    every: NonNegativeInt = Field(0, description="evaluate every N training steps (and after the last), logged "
+                                                 "to metrics as eval/<set>/<term>; 0: never during training")
+    max_prompts: PositiveInt | None = Field(None, description="score at most the first N prompts of each set; "
+                                                              "None: all")
+    batch_size: PositiveInt = Field(16, description="prompts drawn and scored at once (the images of a larger "
+                                                    "set are drawn in parts, the same images as at once)")
 
 
 class PretrainConfig(Strict):
@@ -216,10 +231,31 @@ class LoggingConfig(Strict):
 
 
 class TaskConfig(Strict):
-    """The task: its prompts and the built-in reward."""
-    name: Literal["shapes"] = Field("shapes", description="the task: where training and evaluation prompts, the "
-                                                      "default reward and the evaluation measure come from (tasks/)")
+    """The task: where training and evaluation prompts come from, and its default reward."""
+    name: Literal["shapes", "prompts"] = Field("shapes", description="shapes: the embedded toy world; prompts: "
+                                                                     "prompt datasets (task.train, task.eval)")
     image_size: PositiveInt = Field(32, description="side of the generated images in pixels")
+    train: str | None = Field(None, description="prompts: the training prompts, a file (.txt one per line, "
+                                                ".jsonl/.json, .csv, .parquet), a save_to_disk folder or a dataset "
+                                                "id; relative paths are read from the config file's folder if "
+                                                "there")
+    eval: str | dict[str, str] = Field({}, description="prompts: the evaluation set(s), one source or "
+                                                       "{name: source}; none may share a prompt with task.train")
+    text_field: str = Field("prompt", description="prompts: the field of a record that holds its text (the "
+                                                  "other fields travel with it as metadata)")
+    split: str = Field("train", description="prompts: the split of a dataset id or a DatasetDict folder for "
+                                            "task.train")
+    eval_split: str | None = Field(None, description="prompts: the split for task.eval; None: task.split")
+
+    def eval_sources(self) -> dict[str, str]:
+        """Every evaluation set by name (a single source is named `eval`)."""
+        return {"eval": self.eval} if isinstance(self.eval, str) else dict(self.eval)
+
+    @model_validator(mode="after")
+    def _sources(self):
+        if self.name == "prompts" and not self.train:
+            raise ValueError("task.name=prompts needs task.train (a prompt file or dataset id)")
+        return self
 
 
 class Config(Strict):
@@ -233,6 +269,32 @@ class Config(Strict):
     evaluation: EvaluationConfig = Field(EvaluationConfig(), description="`jointrl eval`'s held-out set")
     pretrain: PretrainConfig = Field(PretrainConfig(), description="`jointrl pretrain` of the base models")
     logging: LoggingConfig = Field(LoggingConfig(), description="metrics and images besides metrics.jsonl")
+
+    @model_validator(mode="after")
+    def _default_terms(self):
+        """The task's own terms where none are set; refiner i owns the i-th text term by default
+        (cycling), or every term where there is no text term."""
+        from tasks import default_terms
+        if self.reward.terms is None:
+            self.reward.terms = {name: TermConfig(**t) for name, t in default_terms(self.task.name).items()}
+        text = [t for t, term in self.reward.terms.items() if not term.needs_images()]
+        for i, r in enumerate(self.experts.refiners):
+            if r.owns is None:
+                r.owns = [text[i % len(text)]] if text else list(self.reward.terms)
+        return self
+
+    @model_validator(mode="after")
+    def _models_read_the_prompts(self):
+        """The tiny kinds read only the shapes words: a prompt file needs models with tokenizers."""
+        if self.task.name != "prompts":
+            return self
+        tiny = [f"experts.{e}.model.kind={s.model.kind}" for e, s in self.experts.sections().items()
+                if s.model.kind in ("tiny_lm", "tiny_dit") and (e == "generator" or e in self.experts.active_refiners())]
+        if tiny:
+            raise ValueError(f"task.name=prompts needs models with tokenizers (hf_causal_lm refiners, a "
+                             f"diffusers_flow generator; `tiny:qwen2` and `tiny:sd3` for tiny random ones), got "
+                             f"{', '.join(tiny)}: the tiny kinds read only the shapes words")
+        return self
 
     @model_validator(mode="after")
     def _owned_terms(self):
@@ -268,7 +330,21 @@ def resolve_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
     """The validated config of a preset name or YAML path plus `dotted.key=value` overrides, without
     the preflight checks (what `jointrl config show` prints)."""
     from driver import overrides as sets, presets  # they raise ConfigError, defined here
-    return validated(sets.apply(presets.load_tree(source), list(overrides)))
+    return validated(sets.apply(with_default_terms(presets.load_tree(source), overrides), list(overrides)))
+
+
+def with_default_terms(tree: dict, overrides) -> dict:
+    """`tree` with its task's default reward terms written out when an override changes one of
+    them by its dotted key (`reward.terms.style.weight=0`) and the tree names no terms: so the key
+    changes that term and keeps the others, as it would in a preset that lists them."""
+    from tasks import default_terms
+    if not any(item.startswith("reward.terms.") for item in overrides) or (tree.get("reward") or {}).get("terms"):
+        return tree
+    try:
+        terms = default_terms((tree.get("task") or {}).get("name", "shapes"))
+    except ValueError:
+        return tree
+    return {**tree, "reward": {**(tree.get("reward") or {}), "terms": terms}}
 
 
 def validated(tree: dict) -> Config:

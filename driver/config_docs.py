@@ -66,6 +66,26 @@ def fields(model: type[BaseModel]):
         yield name, field, models_of(field.annotation), LIST_KEYS.get((model, name))
 
 
+def is_named_sections(annotation) -> bool:
+    """Whether a field is a mapping of names to sections (`reward.terms`)."""
+    if get_origin(annotation) is dict:
+        return bool(models_of(get_args(annotation)[1]))
+    return any(is_named_sections(a) for a in get_args(annotation) if get_origin(annotation) in (typing.Union,
+                                                                                               types.UnionType))
+
+
+def builtin_option_rows(prefix: str) -> list[tuple[str, str, str]]:
+    """The options of every built-in reward term, labelled with its short name."""
+    from tasks.rewards import BUILTINS, resolve
+    from tasks.rewards.base import Options
+    rows = []
+    for name in BUILTINS:
+        options = resolve(name).Options
+        rows += [r for r in key_rows(options, prefix, name)
+                 if options is Options or r[0].removeprefix(prefix) not in Options.model_fields]
+    return rows
+
+
 def kind_of(section: type[BaseModel]) -> str:
     """The `kind` value of a model kind's section, e.g. `tiny_dit`."""
     return get_args(section.model_fields["kind"].annotation)[0]
@@ -80,7 +100,10 @@ def key_rows(model: type[BaseModel], prefix: str = "", kind: str = "") -> list[t
         key = prefix + (item_key("<i>") if item_key else name)
         typ = "section" if item_key else type_name(field.annotation, field.metadata)
         rows.append((key, typ, label + field.description))
-        if len(sections) > 1:  # model kinds: which one, then the fields of each
+        if is_named_sections(field.annotation):  # reward.terms.<name>: the term's keys, then each built-in's options
+            rows += key_rows(sections[0], key + ".<name>.", kind)
+            rows += builtin_option_rows(key + ".<name>.")
+        elif len(sections) > 1:  # model kinds: which one, then the fields of each
             tags = [kind_of(s) for s in sections]
             about = "; ".join(f"{t}: {s.model_fields['kind'].description}" for t, s in zip(tags, sections))
             rows.append((f"{key}.kind", " | ".join(tags), f"the model kind. {about}"))
@@ -123,6 +146,12 @@ def show_lines(section: BaseModel, indent: str = "") -> list[str]:
         if item_key:
             for i, item in enumerate(value):
                 lines += [f"{indent}{item_key(i)}:  # {field.description}", *show_lines(item, indent + "  ")]
+        elif isinstance(value, dict) and value and all(isinstance(v, BaseModel) for v in value.values()):
+            lines.append(f"{indent}{name}:  # {field.description}")
+            for key, item in value.items():
+                lines += [f"{indent}  {key}:", *show_lines(item, indent + "    ")]
+                lines += [f"{indent}    {k}: {value_text(v)}  # an option of {getattr(item, 'fn', key)}"
+                          for k, v in (item.model_extra or {}).items()]
         elif isinstance(value, BaseModel):
             lines += [f"{indent}{name}:  # {comment(field, value)}", *show_lines(value, indent + "  ")]
         else:

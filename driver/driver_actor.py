@@ -23,7 +23,7 @@ from cluster.placement import Placement
 from cluster.recovery import FaultCounts
 from cluster.rollout_pool import RolloutPool
 from cluster.runtime import Runtime, get
-from driver import checkpoint, metrics
+from driver import checkpoint, evaluate, metrics
 from driver.checkpoint import checkpoint_exists, checkpoint_path
 from driver.metrics import MetricsLog, marked_timer
 from driver.trackers import Trackers
@@ -67,7 +67,8 @@ class DriverActor:
             lag = lags(meta.versions, self.experts.versions)
             valid = meta.valid & within(lag, cfg.cluster.max_staleness)
             adv = advantages(cfg.algorithm.credit, meta.terms, cfg.reward.weights, rollout.groups, rollout.refined,
-                             self.owns, cfg.algorithm.adv_clip, meta.counterfactual, valid, cfg.experts.generator.owns)
+                             self.owns, cfg.algorithm.adv_clip, meta.counterfactual, valid, cfg.experts.generator.owns,
+                             per_term=cfg.reward.normalize == "per_term")
             due = [e for e in self.trained if step % cfg.expert(e).update_every == 0 and valid.any()]
             with marked_timer("update_s", timings):
                 stats = self.experts.update(step, due, adv, rollout,
@@ -101,6 +102,9 @@ class DriverActor:
         try:
             while step < t.steps and not self.stopping:
                 row = self.train_step(step)
+                if self.evaluation_due(step):
+                    with marked_timer("time/eval_s", row):
+                        row.update(evaluate.metrics_row(self.rollouts.evaluate()))
                 self.metrics.append(row)
                 self.trackers.log(row)
                 if on_row:
@@ -116,6 +120,11 @@ class DriverActor:
         return {"run_dir": str(self.run_dir), "steps": step, "stopped": step < t.steps,
                 "checkpoint": str(checkpoint or checkpoint_path(self.run_dir, step)),
                 "last": self.metrics.rows[-1] if self.metrics.rows else None}
+
+    def evaluation_due(self, step: int) -> bool:
+        """`evaluation.every` steps, and after the last step."""
+        every = self.config.evaluation.every
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.config.trainer.steps)
 
     def stop(self) -> None:
         """Ask `run` to stop after the step under way (an interrupt: Ctrl-C, SIGTERM)."""

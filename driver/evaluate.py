@@ -1,6 +1,5 @@
-"""`jointrl eval`: the task's measure (shapes: strict accuracy) per metadata tag on each of its
-evaluation sets (shapes: held-out prompts and their paraphrases; a drop from one to the other
-measures prompt overfitting)."""
+"""`jointrl eval`: the report of tasks/evaluation.py at a run's latest checkpoint (or a pretrained
+base), written to eval.json with its images, and printed as GenEval's table."""
 from __future__ import annotations
 
 import json
@@ -12,30 +11,47 @@ import torch
 from driver.checkpoint import pipeline_at
 from driver.config import ConfigError
 from driver.images import grid, write_png
+from driver.plots import caption, sample_sheet
 from experts.pipeline import RolloutPipeline
+from tasks.base import to_uint8
+from tasks.evaluation import eval_prompts, evaluate_sets, modes
+
+SHEET = 16  # images on an evaluation's captioned sample sheet
 
 
-def evaluate(config, pipeline: RolloutPipeline, samples_png: Path | None = None) -> dict:
-    """Per evaluation set and tag, the mean measure of one ODE sample per prompt. With
-    `samples_png`, the first set's images are written there as a grid, one row per tag."""
-    report = {}
-    for n, (name, prompts) in enumerate(pipeline.task.eval_sets().items()):
-        result = pipeline.evaluate(prompts, refine=config.evaluation.refine)
-        tags = np.array([p.metadata["tag"] for p in prompts])
-        order = list(dict.fromkeys(tags))
-        if samples_png and n == 0:
-            per_row = min(config.evaluation.per_category, 10)
-            write_png(samples_png, grid(np.concatenate([result["images"][tags == t][:per_row] for t in order]),
-                                        cols=per_row))
-        per = {t: float(result["measure"][tags == t].mean()) for t in order}
-        report[name] = {**per, "overall": float(np.mean(list(per.values())))}
-    return report
+def evaluate(config, pipeline: RolloutPipeline, out_dir: Path | None = None, progress=None) -> dict:
+    """{set: {mode: {measure: summary}}}. With `out_dir`, the first set's images are written there:
+    eval_samples.png (a grid, one row per tag, the first mode) and eval_sheet.png (prompts,
+    refinements and total rewards under the images)."""
+    def keep(prompts, result):
+        if out_dir is not None:
+            write_samples(out_dir, config, prompts, result, config.reward.weights)
+    return evaluate_sets(config, pipeline, progress, keep)
 
 
-def evaluate_run(run_dir: Path, config) -> dict:
+def write_samples(out_dir: Path, config, prompts: list, result: dict, weights: dict) -> None:
+    """eval_samples.png: one row per tag (a short row padded grey); eval_sheet.png: the first
+    sample of each tag, then the second …, with prompts, refinements and total rewards."""
+    tags = [p.metadata.get("tag") for p in prompts]
+    order = list(dict.fromkeys(tags))
+    per_row = min(max(tags.count(t) for t in order), 10)
+    rows = [np.flatnonzero([t == tag for t in tags])[:per_row] for tag in order]
+    blank = np.zeros_like(result["images"][0])
+    tiles = [result["images"][i] for r in rows for i in r] if len(order) == 1 else \
+        [result["images"][r[j]] if j < len(r) else blank for r in rows for j in range(per_row)]
+    write_png(out_dir / "eval_samples.png", grid(np.stack(tiles), cols=per_row))
+    shown = [i for tagged in zip(*[list(r) + [None] * (per_row - len(r)) for r in rows]) for i in tagged
+             if i is not None][:SHEET]
+    total = sum(w * result["terms"][t] for t, w in weights.items())
+    sample_sheet(np.stack([to_uint8(result["images"][i]) for i in shown]),
+                 [caption(prompts[i].text, result["refinements"][i], float(total[i]) if result["valid"][i] else None)
+                  for i in shown], "evaluation samples", out_dir / "eval_sheet.png")
+
+
+def evaluate_run(run_dir: Path, config, progress=None) -> dict:
     """`config` (the run's, with any keys set on top) evaluated at the run's latest checkpoint."""
     ckpt, pipeline = pipeline_at(run_dir, config)
-    report = {"checkpoint": str(ckpt), **evaluate(config, pipeline, run_dir / "eval_samples.png")}
+    report = {"checkpoint": str(ckpt), "sets": evaluate(config, pipeline, run_dir, progress)}
     (run_dir / "eval.json").write_text(json.dumps(report, indent=1))
     return report
 
@@ -53,17 +69,41 @@ def base_config(config, base: Path):
         "evaluation": config.evaluation.model_copy(update={"refine": False})})
 
 
-def evaluate_base(config, base: Path) -> dict:
+def evaluate_base(config, base: Path, progress=None) -> dict:
     config = base_config(config, base)
     torch.set_num_threads(1)
-    report = {"checkpoint": str(base), **evaluate(config, RolloutPipeline(config), base / "eval_samples.png")}
+    report = {"checkpoint": str(base), "sets": evaluate(config, RolloutPipeline(config), base, progress)}
     (base / "eval.json").write_text(json.dumps(report, indent=1))
     return report
 
 
+def size(config, pipeline) -> int:
+    """How many samples an evaluation draws (for its progress bar)."""
+    return sum(len(p) for p in eval_prompts(config, pipeline).values()) * len(modes(config))
+
+
+def metrics_row(report: dict) -> dict:
+    """eval/<set>/<mode>/<measure>: each measure's overall, for the metrics log and trackers."""
+    return {f"eval/{name}/{mode}/{measure}": s["overall"]
+            for name, by_mode in report.items() for mode, found in by_mode.items() for measure, s in found.items()}
+
+
 def table(report: dict) -> str:
-    sets = [k for k, v in report.items() if isinstance(v, dict)]
-    rows = [f"{'tag':<15}" + "".join(f"{s:>13}" for s in sets)]
-    for tag in report[sets[0]]:
-        rows.append(f"{tag:<15}" + "".join(f"{report[s][tag]:>13.3f}" for s in sets))
-    return "\n".join(rows)
+    """The strict measures per tag (GenEval's table), then every measure's overall, one column per
+    set and mode."""
+    sets = report["sets"]
+    columns = [(name, mode) for name, by_mode in sets.items() for mode in by_mode]
+    head = "".join(f"{name + '/' + mode:>24}" for name, mode in columns)
+    first = sets[columns[0][0]][columns[0][1]]
+
+    def cell(value) -> str:
+        return f"{'-' if value is None else f'{value:.3f}':>24}"
+    lines = []
+    for measure in [m for m in first if m.endswith("/strict")]:
+        lines += [f"{measure + ' per tag':<22}{head}"]
+        for tag in [*(k for k in first[measure] if k != "overall"), "overall"]:
+            lines.append(f"  {tag:<20}" + "".join(cell(sets[n][m][measure].get(tag)) for n, m in columns))
+    lines += [f"{'mean of every term':<22}{head}"]
+    for measure in first:
+        lines.append(f"  {measure:<20}" + "".join(cell(sets[n][m][measure]["overall"]) for n, m in columns))
+    return "\n".join(lines)

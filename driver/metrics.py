@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from algorithm.credit import total_reward
 from tasks.reward_guard import FAULTS
 
 
@@ -39,7 +40,9 @@ def step_row(step: int, config, meta, total: np.ndarray, valid: np.ndarray, refi
             **{f"version/{e}": v for e, v in versions.items()}, "version/text_encoder": meta.versions[0]["text_encoder"],
             **update_metrics(stats),
             "text_encoder/cache_hit_rate": meta.cache_hits / max(1, meta.cache_hits + meta.cache_misses),
-            **counterfactual_metrics(meta.counterfactual, total, valid), "sample/refinements": meta.refinements[0],
+            **counterfactual_metrics({e: total_reward(terms, config.reward.weights)
+                                      for e, terms in meta.counterfactual.items()}, total, valid),
+            "sample/refinements": meta.refinements[0],
             **staleness_metrics(lag, meta.valid, valid),
             "sync/via": sync.via,  # collective, object_store (also a collective run's fallback), None
             "time/rollout_s": meta.busy_s, "time/update_s": timings["update_s"], "time/sync_s": sync.sync_s,
@@ -70,14 +73,15 @@ def update_metrics(stats: dict[str, dict]) -> dict:
     return row
 
 
-def counterfactual_metrics(counterfactual: dict[str, np.ndarray], total: np.ndarray, valid: np.ndarray) -> dict:
-    """counterfactual/<refiner id>: mean D_k = R - R(without y_k) over the valid samples drawn."""
+def counterfactual_metrics(without: dict[str, np.ndarray], total: np.ndarray, valid: np.ndarray) -> dict:
+    """counterfactual/<refiner id>: mean D_k = R - R(without y_k) over the valid samples drawn,
+    from each refiner's counterfactual totals `without` (NaN where not drawn)."""
     row = {}
-    for e, without in counterfactual.items():
-        drawn = ~np.isnan(without) & valid
-        row[f"counterfactual/{e}"] = float(np.mean(total[drawn] - without[drawn])) if drawn.any() else 0.0
-    if counterfactual:
-        row["counterfactual/generations"] = int(sum((~np.isnan(v)).sum() for v in counterfactual.values()))
+    for e, totals in without.items():
+        drawn = ~np.isnan(totals) & valid
+        row[f"counterfactual/{e}"] = float(np.mean(total[drawn] - totals[drawn])) if drawn.any() else 0.0
+    if without:
+        row["counterfactual/generations"] = int(sum((~np.isnan(v)).sum() for v in without.values()))
     return row
 
 

@@ -3,6 +3,7 @@ sample images captioned with their original and refined prompts."""
 from __future__ import annotations
 
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +18,12 @@ def pyplot():
 
 
 def save(plt, fig, path: Path) -> Path:
-    """Lay out `fig`, write it to `path` and free it; returns `path`."""
-    fig.tight_layout()
-    fig.savefig(path)
+    """Lay out `fig`, write it to `path` and free it; returns `path`. A character the font lacks
+    (a refinement may hold any) is drawn as a box, without a warning for each."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        fig.tight_layout()
+        fig.savefig(path)
     plt.close(fig)
     return path
 
@@ -58,9 +62,14 @@ def sample_sheet(images: np.ndarray, captions: list[str], title: str, path: Path
     return save(plt, fig, path)
 
 
+def printable(text: str) -> str:
+    """`text` with what a font cannot draw (control characters an LM may write) as '?'."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def caption(prompt: str, refinements: dict[str, str], reward: float | None) -> str:
     """The original prompt, then each refiner's refinement, then the sample's total reward."""
-    lines = [f"prompt: {prompt}"] + [f"{e}: {text or '-'}" for e, text in refinements.items()]
+    lines = [f"prompt: {printable(prompt)}"] + [f"{e}: {printable(text) or '-'}" for e, text in refinements.items()]
     if reward is not None:
         lines.append(f"reward {reward:.3f}")
     return "\n".join(lines)

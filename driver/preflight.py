@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from driver.config import ConfigError, invalid
 from driver.overrides import flat
-from tasks.reward_guard import resolve
+from experts.hub import BUILDERS, TINY, is_tiny
 
 if TYPE_CHECKING:
     from driver.config import Config
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 KIND_PACKAGES = {"hf_causal_lm": ("transformers", "peft"), "diffusers_flow": ("diffusers", "transformers", "peft")}
 # a logging flag -> the package it needs
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+# a reward term's options that name a model (a folder, hub id or tiny:<kind>)
+MODEL_OPTIONS = ("model", "processor", "clip_model", "tokenizer")
 
 
 def weights_file(path: str) -> None:
@@ -40,7 +42,11 @@ def weights_file(path: str) -> None:
 
 def model_path(path: str) -> str:
     """A local model directory (with its config.json) or a hub id (`org/name`, fetched when loaded);
-    returns the path as it is loaded (a local one with `~` expanded)."""
+    returns the path as it is loaded (a local one with `~` expanded); `tiny:<kind>` is built when loaded."""
+    if is_tiny(path):
+        if path[len(TINY):] not in BUILDERS:
+            raise ValueError(f"unknown tiny model '{path}'; there are {', '.join(TINY + k for k in BUILDERS)}")
+        return path
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file() and not (local / "model_index.json").is_file():
@@ -77,8 +83,9 @@ def preflight(config: Config) -> None:
                 spec.model.path = path
     if config.experts.text_encoder.init is not None:
         check("experts.text_encoder.init", weights_file, config.experts.text_encoder.init)
-    if config.reward.fn is not None:
-        check("reward.fn", resolve, config.reward.fn)  # importable and callable
+    for name, term in config.reward.terms.items():
+        problems += term_problems(f"reward.terms.{name}", term)
+    problems += task_problems(config)
     for flag, module in LOGGER_PACKAGES.items():
         if getattr(config.logging, flag) and missing(module):
             problems.append(f"logging.{flag}: true needs the '{module}' package: pip install 'jointrl[log]'")
@@ -88,6 +95,52 @@ def preflight(config: Config) -> None:
         problems.append(too_big)
     if problems:
         raise ConfigError(invalid(problems))
+
+
+def term_problems(key: str, term) -> list[str]:
+    """A reward term's function imports, its options fit it, its packages are installed and the
+    models it names are there."""
+    try:
+        options = term.options()  # imports the function or class
+    except ValueError as e:
+        return [f"{key}.fn: {e}" if "import" in str(e) or "callable" in str(e) else f"{key}: {e}"]
+    if options is None:
+        return []
+    from tasks.rewards import resolve
+    if gone := missing(*getattr(resolve(term.fn), "packages", ())):
+        return [f"{key}.fn: {term.fn} needs {gone}: pip install 'jointrl[hf]'"]
+    problems = []
+    for field in MODEL_OPTIONS:
+        if isinstance(value := getattr(options, field, None), str):
+            try:
+                model_path(value)
+            except ValueError as e:
+                problems.append(f"{key}.{field}: {e}")
+    return problems
+
+
+def task_problems(config: Config) -> list[str]:
+    """The task's prompts load (every file, line and record is valid) and its evaluation sets
+    share no prompt with training."""
+    from tasks import build_task
+    if config.task.name != "prompts":
+        return []
+    if missing("datasets"):
+        return ["task.name: prompts needs the 'datasets' package: pip install 'jointrl[data]'"]
+    from tasks.prompt_data import PromptDataError
+    task = build_task(config)
+    problems = []
+    for key, load in [("task.train", task.train_prompts), ("task.eval", task.eval_sets)]:
+        try:
+            load()
+        except PromptDataError as e:
+            problems.append(f"{key}: {e}")
+    if not problems:
+        try:
+            task.check()
+        except ValueError as e:
+            problems.append(f"task.eval: {e}")
+    return problems
 
 
 def step_bytes(config: Config) -> int:

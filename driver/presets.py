@@ -22,9 +22,10 @@ def names() -> list[str]:
 def load_tree(source: str) -> dict:
     """The config tree of a preset name or YAML path (a fresh dict: overrides may change it)."""
     if source in names():
-        where, text = f"preset '{source}'", files("configs").joinpath(f"{source}.yaml").read_text()
+        where, folder = f"preset '{source}'", files("configs")
+        text = folder.joinpath(f"{source}.yaml").read_text()
     elif Path(source).is_file():
-        where, text = f"config file '{source}'", Path(source).read_text()
+        where, folder, text = f"config file '{source}'", Path(source).resolve().parent, Path(source).read_text()
     else:
         raise ConfigError(f"unknown config '{source}': neither a preset ({', '.join(names())}) "
                           f"nor an existing YAML file")
@@ -34,4 +35,26 @@ def load_tree(source: str) -> dict:
         raise ConfigError(f"{where} is not valid YAML: {e}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{where} must hold a mapping of sections, not {type(tree).__name__}")
-    return tree
+    return with_prompt_paths(tree, folder)
+
+
+def with_prompt_paths(tree: dict, folder) -> dict:
+    """`task.train` and `task.eval` given relative to the config file's folder, as absolute paths
+    (where such a file exists there), so the saved config names the same files from anywhere."""
+    task = tree.get("task")
+    if not isinstance(task, dict):
+        return tree
+
+    def placed(source):
+        if not isinstance(source, str) or Path(source).is_absolute() or Path(source).exists():
+            return source
+        there = Path(str(folder.joinpath(source)))
+        return str(there) if there.exists() else source
+    task = dict(task)
+    if "train" in task:
+        task["train"] = placed(task["train"])
+    if isinstance(task.get("eval"), dict):
+        task["eval"] = {name: placed(src) for name, src in task["eval"].items()}
+    elif "eval" in task:
+        task["eval"] = placed(task["eval"])
+    return {**tree, "task": task}

@@ -44,11 +44,16 @@ def latest_samples(run_dir: Path) -> tuple[np.ndarray, list[str], str] | None:
 
 
 def drawn_samples(run_dir: Path, config, n: int = 8) -> tuple[np.ndarray, list[str], str]:
-    """One ODE sample per tag of the task's first evaluation set, from the latest checkpoint, with
-    its refinements."""
+    """One ODE sample per tag of the task's first evaluation set (then more of its prompts, up to
+    `n`), from the latest checkpoint, with its refinements."""
     from driver.checkpoint import pipeline_at
     ckpt, pipeline = pipeline_at(run_dir, config)
-    prompts = next(iter(pipeline.task.eval_sets().values()))[::max(1, config.evaluation.per_category)][:n]
+    held = next(iter(pipeline.task.eval_sets().values()))
+    firsts = {}
+    for i, p in enumerate(held):
+        firsts.setdefault(p.metadata.get("tag"), i)
+    order = [*firsts.values(), *(i for i in range(len(held)) if i not in firsts.values())]
+    prompts = [held[i] for i in order[:n]]
     drawn = pipeline.draw(prompts, refine=not config.experts.generator_only, tag="report")
     images = np.stack([to_uint8(im) for im in drawn["images"]])
     return images, [caption(p.text, r, None) for p, r in zip(prompts, drawn["refinements"])], \

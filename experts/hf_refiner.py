@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experts.hub import local_model
 from tasks.base import Refinement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -48,8 +49,9 @@ class HFRefiner(nn.Module):
         from transformers import AutoModelForCausalLM
         m = spec.model
         self.spec, self.max_new_tokens, self.temperature = m, spec.max_new_tokens, spec.temperature
-        self.tokenizer = load_tokenizer(m.path)
-        self.lm = AutoModelForCausalLM.from_pretrained(m.path, dtype=DTYPES[m.dtype])
+        path = local_model(m.path)
+        self.tokenizer = load_tokenizer(path)
+        self.lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[m.dtype])
         if m.lora:
             from peft import LoraConfig, get_peft_model
             torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built

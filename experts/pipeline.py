@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from algorithm.batch import Sample
-from algorithm.credit import total_reward
 from algorithm.sde import sample, sde_steps
 from experts.frontend import build_frontend
 from experts.kinds import build_model
@@ -25,20 +24,21 @@ from experts.seeding import generator
 from experts.weights import load
 from tasks import build_task
 from tasks.base import Refinement, to_uint8
-from tasks.reward_guard import GuardedReward, reward_fn
+from tasks.reward_guard import RewardSet
+from tasks.rewards.term import build_scorer
 
 
 @dataclass
 class RolloutMeta:
     """What the driver reads of a rollout: per sample its reward terms, whether they are valid (the
     reward neither failed nor gave NaN), the version vector it was made with, its counterfactual
-    totals (NaN where not drawn) and refinements; for the batch its reward faults, the text
+    reward terms per refiner (NaN where not drawn) and refinements; for the batch its reward faults, the text
     cache's hits and misses, the seconds it took, and its images when they are logged."""
     samples: list[int]
     terms: dict[str, np.ndarray]
     valid: np.ndarray
     versions: list[dict]
-    counterfactual: dict[str, np.ndarray]
+    counterfactual: dict[str, dict[str, np.ndarray]]
     refinements: list[dict[str, str]]
     faults: dict[str, int]
     cache_hits: int
@@ -54,12 +54,16 @@ class RolloutMeta:
 
         def arrays(field: str) -> dict[str, np.ndarray]:
             return {k: np.concatenate([getattr(m, field)[k] for m in metas]) for k in getattr(metas[0], field)}
+
+        def nested(field: str) -> dict[str, dict[str, np.ndarray]]:
+            return {e: {t: np.concatenate([getattr(m, field)[e][t] for m in metas]) for t in terms}
+                    for e, terms in getattr(metas[0], field).items()}
         faults: dict[str, int] = {}
         for m in metas:
             for kind, n in m.faults.items():
                 faults[kind] = faults.get(kind, 0) + n
         return RolloutMeta(joined("samples"), arrays("terms"), np.concatenate([m.valid for m in metas]),
-                           joined("versions"), arrays("counterfactual"), joined("refinements"), faults,
+                           joined("versions"), nested("counterfactual"), joined("refinements"), faults,
                            sum(m.cache_hits for m in metas), sum(m.cache_misses for m in metas),
                            max(m.busy_s for m in metas),
                            None if metas[0].images is None else np.concatenate([m.images for m in metas]))
@@ -78,8 +82,9 @@ def as_text(refinements: list[dict[str, Refinement]]) -> list[dict[str, str]]:
 
 
 class RolloutPipeline:
-    def __init__(self, config, score=None, device: torch.device = torch.device("cpu")):
-        """`score`: the reward to call (default: `reward.fn`, else the task's own)."""
+    def __init__(self, config, scorers: dict | None = None, device: torch.device = torch.device("cpu")):
+        """`scorers`: term name -> the callable that scores it, for terms scored elsewhere (a pool
+        of reward actors); every other term's scorer is built here, on `device`."""
         self.config, self.device = config, device
         self.task = build_task(config)
         self.refiner_ids = list(config.experts.active_refiners())
@@ -89,8 +94,9 @@ class RolloutPipeline:
         steps = config.experts.generator.sample_steps
         self.sigmas, self.sde = self.frontend.sigmas(steps), sde_steps(steps, config.experts.generator.sde_window)
         self.owners = config.owners()
-        self.guarded_reward = GuardedReward(score or reward_fn(config, self.task), list(config.reward.weights),
-                                            config.reward.timeout_s)
+        scorers = scorers or {}
+        self.rewards = RewardSet({name: scorers.get(name) or build_scorer(term, device)
+                                  for name, term in config.reward.terms.items()}, self.owners, config.reward.timeout_s)
         self.faults: dict[str, int] = {}
 
     def load(self, expert_id: str, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -132,16 +138,24 @@ class RolloutPipeline:
         """One ODE sample per prompt (refined by every refiner if `refine`), its draws seeded by
         `tag` and the prompt's position (counted from `first`, so a long list drawn in parts draws
         the same images): {"images", "refinements"}."""
+        images, refinements = self.drawn(prompts, refine, tag, first)
+        return {"images": images, "refinements": as_text(refinements)}
+
+    def drawn(self, prompts: list, refine: bool, tag: str, first: int = 0):
+        """`draw`'s (images, per prompt {refiner: Refinement})."""
         samples = [Sample(first + i, first + i, p, refine) for i, p in enumerate(prompts)]
         refinements, _ = self.refine(tag, samples)
         cond = self.frontend.condition(prompts, refinements)
         states, _ = self.generate(cond, self.noise(tag, samples), sde=False)
-        return {"images": self.frontend.decode(states[:, -1]).cpu().numpy(), "refinements": as_text(refinements)}
+        return self.frontend.decode(states[:, -1]).cpu().numpy(), refinements
 
-    def evaluate(self, prompts: list, refine: bool) -> dict:
-        """The task's measure of one ODE sample per prompt, with the images and refinements."""
-        out = self.draw(prompts, refine)
-        return {**out, "measure": self.task.measure(out["images"], prompts)}
+    def evaluate(self, prompts: list, refine: bool, first: int = 0) -> dict:
+        """Every reward term of one ODE sample per prompt (as `draw`), and the strict correctness of
+        the terms that have one: {"images", "refinements", "terms", "valid", "strict"}."""
+        images, refinements = self.drawn(prompts, refine, "eval", first)
+        terms, valid, _ = self.rewards(images, prompts, refinements)
+        return {"images": images, "refinements": as_text(refinements), "terms": terms, "valid": valid,
+                "strict": self.rewards.strict(images, prompts, refinements)}
 
     def generate(self, cond: dict, noise: torch.Tensor, sde: bool):
         """The generator's trajectories from `noise` under `cond`: SDE on `generator.sde_window`'s
@@ -181,14 +195,13 @@ class RolloutPipeline:
     def reward(self, images: torch.Tensor, samples: list, refinements: list[dict]):
         """(named terms, valid per sample) of decoded images in [-1, 1], scored against the original
         prompts; faults are counted into `self.faults`."""
-        terms, valid, faults = self.guarded_reward(images.cpu().numpy(), [s.prompt for s in samples],
-                                                   refinements, self.owners)
+        terms, valid, faults = self.rewards(images.cpu().numpy(), [s.prompt for s in samples], refinements)
         for kind, n in faults.items():
             self.faults[kind] = self.faults.get(kind, 0) + n
         return terms, valid
 
-    def counterfactual(self, step, samples, refinements, noise) -> dict[str, np.ndarray]:
-        """Per refiner k, R(without y_k): the total reward of the same sample regenerated from the
+    def counterfactual(self, step, samples, refinements, noise) -> dict[str, dict[str, np.ndarray]]:
+        """Per refiner k, the reward terms of R(without y_k): the same sample regenerated from the
         same noise with y_k dropped (NaN where not drawn; `counterfactual_fraction` bounds the cost).
         Only under counterfactual credit (algorithm/credit.py)."""
         algo = self.config.algorithm
@@ -199,13 +212,14 @@ class RolloutPipeline:
             rows = [i for i, s in enumerate(samples) if s.refine and torch.rand(1, generator=generator(
                 self.config.trainer.seed, "counterfactual", step, s.sample, eid)).item()
                 < algo.counterfactual_fraction]
-            values = np.full(len(samples), np.nan)
+            values = {t: np.full(len(samples), np.nan) for t in self.config.reward.terms}
             if rows:
                 sub = [samples[i] for i in rows]
                 cond = self.frontend.condition([s.prompt for s in sub], [refinements[i] for i in rows], drop=eid)
                 states, _ = self.generate(cond, noise[rows], sde=True)
                 without = [{e: r for e, r in refinements[i].items() if e != eid} for i in rows]
                 terms, valid = self.reward(self.frontend.decode(states[:, -1]), sub, without)
-                values[rows] = np.where(valid, total_reward(terms, self.config.reward.weights), np.nan)
+                for t, v in terms.items():
+                    values[t][rows] = np.where(valid, v, np.nan)
             out[eid] = values
         return out

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from experts.hf_refiner import DTYPES
+from experts.hub import local_model
 from experts.text_encoder import CacheStats
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the joint attention's projections
@@ -43,7 +44,8 @@ class SD3Velocity(nn.Module):
         super().__init__()
         m = spec.model
         self.spec = m
-        self.transformer = component(m.path, load_index(m.path), "transformer", DTYPES[m.dtype])
+        path = local_model(m.path)
+        self.transformer = component(path, load_index(path), "transformer", DTYPES[m.dtype])
         if m.lora:
             from peft import LoraConfig
             torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built
@@ -97,15 +99,16 @@ class SD3FrontEnd:
         from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
         m = config.experts.generator.model
         self.config, self.spec = config, m
-        index = load_index(m.path)
+        path = local_model(m.path)
+        index = load_index(path)
         dtype = DTYPES[m.dtype]
-        parts = {name: component(m.path, index, name, dtype) for name in (
+        parts = {name: component(path, index, name, dtype) for name in (
             "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3",
             "tokenizer_3")}
         self.pipeline = StableDiffusion3Pipeline(transformer=None, **parts)
         # the pipeline's prompt encoding reads the transformer's config (the width of the zeros that
         # stand in for T5 when a model has none); the worker's transformer is the synced expert's
-        transformer_config = SD3Transformer2DModel.load_config(m.path, subfolder="transformer")
+        transformer_config = SD3Transformer2DModel.load_config(path, subfolder="transformer")
         self.pipeline.transformer = SimpleNamespace(config=SimpleNamespace(**transformer_config))
         for module in (parts["vae"], parts["text_encoder"], parts["text_encoder_2"], parts["text_encoder_3"]):
             if module is not None:

@@ -34,9 +34,29 @@ def word_tokenizer(extra: list[str], max_length: int | None = None):
                                    model_max_length=max_length or 512)
 
 
-def tiny_causal_lm(out: Path, seed: int = 0) -> Path:
+def byte_tokenizer(special: list[str], max_length: int | None = None):
+    """A byte-level fast tokenizer (BPE over the 256 bytes, no merges) with `special` as whole
+    tokens (the first is padding): it reads and writes any UTF-8 text, so tiny models built with it
+    work on real prompt files, not only on the shapes words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(special)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=special[0],
+                                        model_max_length=max_length or 512)
+    tokenizer.add_special_tokens({"additional_special_tokens": special[1:]})
+    return tokenizer
+
+
+def tiny_causal_lm(out: Path, seed: int = 0, text: str = "shapes") -> Path:
+    """`text`: "shapes" tokenizes the shapes words, "bytes" any text (experts/hub.py's `tiny:` models)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    tokenizer = word_tokenizer(CHAT_TOKENS)
+    tokenizer = word_tokenizer(CHAT_TOKENS) if text == "shapes" else \
+        byte_tokenizer(["<pad>", "<|im_start|>", "<|im_end|>", "<answer>", "</answer>"])
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
@@ -49,9 +69,9 @@ def tiny_causal_lm(out: Path, seed: int = 0) -> Path:
     return Path(out)
 
 
-def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16) -> Path:
+def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16, text: str = "shapes") -> Path:
     """An SD3-style pipeline (no T5) whose VAE halves the resolution: latents of side `sample_size`
-    decode to images of twice that side."""
+    decode to images of twice that side. `text` as in `tiny_causal_lm`."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
@@ -66,7 +86,9 @@ def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16) -> Path:
                         scaling_factor=1.5)
     encoders, tokenizers = [], []
     for _ in range(2):
-        tokenizer = word_tokenizer(["<pad>", "<unk>", "<|startoftext|>", "<|endoftext|>"], max_length=77)
+        special = ["<pad>", "<unk>", "<|startoftext|>", "<|endoftext|>"]
+        tokenizer = word_tokenizer(special, max_length=77) if text == "shapes" else \
+            byte_tokenizer([special[0], *special[2:]], max_length=77)
         tokenizer.bos_token, tokenizer.eos_token = "<|startoftext|>", "<|endoftext|>"
         tokenizers.append(tokenizer)
         encoders.append(CLIPTextModelWithProjection(CLIPTextConfig(
@@ -78,6 +100,16 @@ def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16) -> Path:
                              text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1],
                              tokenizer_2=tokenizers[1], text_encoder_3=None, tokenizer_3=None).save_pretrained(out)
     return Path(out)
+
+
+def tiny_text_lm(out: Path) -> Path:
+    """`tiny:qwen2`: the tiny LM over bytes, for any prompt file."""
+    return tiny_causal_lm(out, text="bytes")
+
+
+def tiny_text_sd3(out: Path) -> Path:
+    """`tiny:sd3`: the tiny SD3 pipeline over bytes, for any prompt file."""
+    return tiny_sd3(out, text="bytes")
 
 
 if __name__ == "__main__":

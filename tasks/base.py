@@ -1,15 +1,13 @@
 """What the loop, the rollout pipeline and a reward plug-in see of a task.
 
-A task supplies training prompts and evaluation prompt sets (each prompt a record with `.text` and
-a `.metadata` dict that travels with it to the reward), its default reward and its evaluation
-measures. A reward plug-in is called as `fn(images, prompts, refinements, owners)`: images
-(B, 3, H, W) in [-1, 1], the prompt records, per sample {refiner id: Refinement} and, per reward
-term, the refiners that own it; it returns named terms (arrays of B).
+A task supplies training prompts and evaluation prompt sets, each prompt a record with `.text` and
+a `.metadata` dict that travels with it to the reward terms (tasks/rewards/base.py says how a term
+is called).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
@@ -47,17 +45,12 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
 
 class Task(Protocol):
     name: str
-    terms: tuple[str, ...]          # the default reward's terms
-    text_terms: tuple[str, ...]     # those a refiner can own by default (refiner i: text_terms[i % n])
 
     def train_prompts(self) -> list[PromptRecord]:
-        """The prompts training draws its steps from (fixed by the run's seed)."""
+        """The prompts training draws its steps from."""
 
     def eval_sets(self) -> dict[str, list[PromptRecord]]:
         """Named held-out prompt sets for `jointrl eval`."""
 
-    def reward(self, images, prompts, refinements, owners) -> dict[str, np.ndarray]:
-        """The default reward (`reward.fn` unset)."""
-
-    def measure(self, images: np.ndarray, prompts: Sequence[PromptRecord]) -> np.ndarray:
-        """The evaluation measure per image (B,) in [0, 1], e.g. strict correctness."""
+    def check(self) -> None:
+        """Raise ValueError if the evaluation sets share prompts with training."""

@@ -1,86 +1,113 @@
-"""A reward that raises, hangs or returns NaN costs its samples, never the run or the weights.
+"""The reward of a batch: every term scored at once, and a term that raises, hangs or returns NaN
+costs its samples, never the run or the weights.
 
-`GuardedReward` calls the reward function on a batch under a timeout. If the batch call raises or
-times out, each sample is scored on its own to find the culprits. Samples whose call failed, or
-whose terms are not finite, are marked invalid (their terms set to 0) and counted by kind; the
-driver leaves invalid samples out of every advantage and metric.
+`RewardSet` starts every term's batch call together (each on its own thread: a term scored by a
+pool of reward actors waits on the network, one scored here computes), all under one deadline of
+`reward.timeout_s`. A term whose batch call raises or times out is scored again sample by sample to
+find the culprits. Samples that any term failed on, or scored non-finite, are marked invalid
+(their terms set to 0) and counted by kind; the driver leaves invalid samples out of every
+advantage and metric.
 """
 from __future__ import annotations
 
-import importlib
-from concurrent.futures import ThreadPoolExecutor
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable
 
 import numpy as np
 
 FAULTS = ("reward_error", "reward_timeout", "reward_nan")
+LOG = logging.getLogger("jointrl.reward")
 
 
-def resolve(spec: str):
-    """The callable `package.module:function` names."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ValueError(f"'{spec}' is not of the form package.module:function")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import the reward '{spec}': {type(e).__name__}: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"the reward '{spec}' is not callable")
-    return fn
+def narrowed(refinements: list[dict], owners: list[str] | None) -> list[dict]:
+    """Each sample's refinements by the refiners that own a term (all of them where none does)."""
+    if not owners:
+        return refinements
+    return [{e: r for e, r in refs.items() if e in owners} for refs in refinements]
 
 
-def reward_fn(config, task):
-    """The run's reward: the plug-in `reward.fn` names, else the task's own."""
-    return resolve(config.reward.fn) if config.reward.fn else task.reward
+class GuardedTerm:
+    """One term's scorer behind a timeout; a call that hangs is abandoned (its thread runs on)."""
 
+    def __init__(self, name: str, scorer: Callable, timeout_s: float):
+        self.name, self.scorer, self.timeout_s = name, scorer, timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reward-{name}")
 
-class GuardedReward:
-    def __init__(self, fn, terms: list[str], timeout_s: float):
-        self.fn, self.terms, self.timeout_s = fn, list(terms), timeout_s
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+    def submit(self, images, prompts, refinements) -> Future:
+        return self.pool.submit(self.scorer, images, prompts, refinements)
 
-    def _call(self, *args) -> dict:
-        """One call under the timeout; a call that hangs is abandoned (its thread runs on)."""
-        future = self.pool.submit(self.fn, *args)
+    def result(self, future: Future, n: int, deadline: float) -> np.ndarray:
         try:
-            return future.result(timeout=self.timeout_s)
+            out = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
-            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reward-{self.name}")
             raise
+        if isinstance(out, dict):
+            raise TypeError(f"the reward term '{self.name}' returned a dict; a term's function returns one "
+                            f"value per sample")
+        values = np.array(out, dtype=np.float64).reshape(-1)  # a copy: a pool's answer is read-only
+        if len(values) != n:
+            raise ValueError(f"the reward term '{self.name}' returned {len(values)} values for {n} samples")
+        return values
 
-    def __call__(self, images, prompts, refinements, owners) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
+    def one_by_one(self, images, prompts, refinements, faults: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(values, which samples scored) when the batch call failed: each sample on its own."""
+        n = len(prompts)
+        values, ok = np.zeros(n), np.ones(n, bool)
+        first = None
+        for i in range(n):
+            try:
+                future = self.submit(images[i:i + 1], prompts[i:i + 1], refinements[i:i + 1])
+                values[i] = self.result(future, 1, time.monotonic() + self.timeout_s)[0]
+            except FutureTimeout:
+                ok[i], first = False, first or f"no answer within reward.timeout_s={self.timeout_s}"
+                faults["reward_timeout"] += 1
+            except Exception as e:
+                ok[i], first = False, first or f"{type(e).__name__}: {e}"
+                faults["reward_error"] += 1
+        if first:  # the user sees why samples are dropped, not only that they are
+            LOG.warning("reward term '%s' failed on %d of %d samples, e.g. %s", self.name, int((~ok).sum()), n, first)
+        return values, ok
+
+
+class RewardSet:
+    def __init__(self, scorers: dict[str, Callable], owners: dict[str, list[str]], timeout_s: float):
+        """`scorers`: term name -> its scorer (local, or a pool's caller); `owners`: term -> the
+        refiners whose refinements it reads."""
+        self.terms = {t: GuardedTerm(t, fn, timeout_s) for t, fn in scorers.items()}
+        self.owners, self.timeout_s = owners, timeout_s
+
+    def __call__(self, images, prompts, refinements) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
         """(terms, valid per sample, fault counts) for a batch."""
         n = len(prompts)
         faults = dict.fromkeys(FAULTS, 0)
-        terms = {t: np.zeros(n) for t in self.terms}
-        valid = np.ones(n, bool)
-        try:
-            self._take(terms, range(n), self._call(images, prompts, refinements, owners))
-        except Exception:  # find the culprits sample by sample
-            for i in range(n):
-                try:
-                    self._take(terms, [i], self._call(images[i:i + 1], prompts[i:i + 1], refinements[i:i + 1], owners))
-                except FutureTimeout:
-                    valid[i] = False
-                    faults["reward_timeout"] += 1
-                except Exception:
-                    valid[i] = False
-                    faults["reward_error"] += 1
-        bad = valid & ~np.all([np.isfinite(v) for v in terms.values()], axis=0)
+        inputs = {t: (images, prompts, narrowed(refinements, self.owners.get(t))) for t in self.terms}
+        deadline = time.monotonic() + self.timeout_s
+        futures = {t: g.submit(*inputs[t]) for t, g in self.terms.items()}
+        terms, valid = {}, np.ones(n, bool)
+        for t, guard in self.terms.items():
+            try:
+                terms[t] = guard.result(futures[t], n, deadline)
+            except Exception:  # find the culprits sample by sample
+                terms[t], ok = guard.one_by_one(*inputs[t], faults)
+                valid &= ok
+        bad = valid & ~np.all([np.isfinite(v) for v in terms.values()], axis=0) if terms else np.zeros(n, bool)
         faults["reward_nan"] += int(bad.sum())
         valid &= ~bad
         for v in terms.values():
             v[~valid] = 0.0
         return terms, valid, faults
 
-    def _take(self, terms: dict, rows, scored: dict) -> None:
-        missing = [t for t in self.terms if t not in scored]
-        if missing:
-            raise KeyError(f"the reward returned no term(s) {missing}")
-        rows = list(rows)
-        for t in self.terms:
-            values = np.asarray(scored[t], dtype=np.float64).reshape(-1)
-            if len(values) != len(rows):
-                raise ValueError(f"the reward returned {len(values)} values of '{t}' for {len(rows)} samples")
-            terms[t][rows] = values
+    def strict(self, images, prompts, refinements) -> dict[str, np.ndarray]:
+        """Per-sample 0/1 correctness of the terms whose scorer has one (GenEval's accuracy); a
+        scorer's `strict` may also return None (a pool's caller, whose actors' scorer has none)."""
+        out = {}
+        for t, guard in self.terms.items():
+            strict = getattr(guard.scorer, "strict", None)
+            found = strict(images, prompts, narrowed(refinements, self.owners.get(t))) if strict else None
+            if found is not None:
+                out[t] = np.asarray(found, dtype=np.float64)
+        return out

@@ -1,9 +1,9 @@
-"""A reward model as a plug-in: a small torch scorer beside the shapes terms.
+"""A reward model as a user's plug-in: a small torch scorer as a term of its own.
 
-`shapes_and_sharpness` returns the shapes terms plus `sharpness`: the mean Sobel edge magnitude of
-the image, squashed into [0, 1] (crisp shape edges score high, blur and noise low). The scorer is a
-torch module built once per process, so under `reward.actors=K` each reward actor holds one.
-Use: `--set reward.fn=tasks.scorers:shapes_and_sharpness --set reward.weights.sharpness=0.2`.
+`sharpness` is the mean Sobel edge magnitude of the image, squashed into [0, 1] (crisp shape edges
+score high, blur and noise low). The scorer is a torch module built once per process, so under
+`reward.terms.sharpness.actors=K` each reward actor holds one.
+Use: `--set 'reward.terms.sharpness={fn: tasks.scorers:sharpness, weight: 0.2}'`.
 """
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import functools
 import numpy as np
 import torch
 from torch import nn
-
-from tasks.reward import shapes_reward
 
 
 class SharpnessScorer(nn.Module):
@@ -37,7 +35,5 @@ def scorer() -> SharpnessScorer:
     return SharpnessScorer().eval()
 
 
-def shapes_and_sharpness(images, prompts, refinements, owners) -> dict[str, np.ndarray]:
-    terms = shapes_reward(images, prompts, refinements, owners)
-    terms["sharpness"] = scorer()(torch.as_tensor(np.asarray(images, dtype=np.float32))).numpy().astype(np.float64)
-    return terms
+def sharpness(images, prompts, refinements) -> np.ndarray:
+    return scorer()(torch.as_tensor(np.asarray(images, dtype=np.float32))).numpy().astype(np.float64)

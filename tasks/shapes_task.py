@@ -1,4 +1,4 @@
-"""`shapes` as a task: its training prompts, held-out sets, reward and strict-accuracy measure.
+"""`shapes` as a task: its training prompts and held-out sets (its reward: tasks/rewards/shapes.py).
 
 Training prompts are `trainer.n_train_prompts` from the run's seed; the held-out set is fixed by
 `evaluation.seed` and shares no clause set with them; its paraphrased copy has the same clauses in
@@ -6,18 +6,12 @@ other words, so a drop from one to the other measures prompt overfitting.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from experts.seeding import derive_seed
-from tasks import reward
-from tasks.base import to_uint8
-from tasks.shapes import eval_set, paraphrase, prompt_set, strict_correct
+from tasks.shapes import eval_set, paraphrase, prompt_set
 
 
 class ShapesTask:
     name = "shapes"
-    terms = reward.TERMS
-    text_terms = reward.TEXT_TERMS
 
     def __init__(self, config):
         self.config = config
@@ -31,9 +25,5 @@ class ShapesTask:
         held = eval_set(e.per_category, e.seed, exclude=self.train_prompts())
         return {"held_out": held, "paraphrased": [paraphrase(p) for p in held]}
 
-    def reward(self, images, prompts, refinements, owners) -> dict[str, np.ndarray]:
-        return reward.shapes_reward(images, prompts, refinements, owners)
-
-    def measure(self, images: np.ndarray, prompts) -> np.ndarray:
-        """Strict correctness: every GenEval-style check of the prompt's clauses passes."""
-        return np.array([float(strict_correct(to_uint8(im), p)) for im, p in zip(images, prompts)])
+    def check(self) -> None:
+        """Nothing to check: the held-out set is built to share no clause set with training."""

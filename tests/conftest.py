@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -14,6 +16,12 @@ from driver.config import load_config
 from driver.launch import follow, start_driver, stop_driver
 
 _names = itertools.count()
+
+
+def pytest_configure(config):
+    """Tiny random models (`tiny:<kind>`) are built once per test session into a fresh folder, so
+    no test reads a cache another version of a builder wrote; Ray's workers inherit the variable."""
+    os.environ["JOINTRL_TINY_CACHE"] = tempfile.mkdtemp(prefix="jointrl-tiny-")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,6 @@
-"""`bench/learning.py --quick` runs end to end and writes its report and plot (not that anything wins)."""
+"""The benches run end to end and write their reports: `bench/learning.py --quick` (with its plot; not
+that anything wins) and `bench/rewards.py --quick`."""
+import re
 import subprocess
 import sys
 import zlib
@@ -32,3 +34,19 @@ def test_learning_bench_quick_writes_report_and_plot(tmp_path):
     for run in (tmp_path / "runs").glob("*-seed*"):
         if run.is_dir():
             assert (run / "eval.json").is_file() and (run / "metrics.jsonl").is_file()
+
+
+def test_rewards_bench_quick_writes_both_ratios(tmp_path):
+    """`bench/rewards.py --quick` runs (tiny reward models, a local Ray with reward pools) and writes
+    its report with a ratio per term and per pool measurement; no timing is asserted."""
+    out = tmp_path / "rewards.md"
+    done = subprocess.run([sys.executable, "bench/rewards.py", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = out.read_text()
+    ratio = r"\| \d+\.\d+× \|"
+    for term in ("geneval", "pickscore", "clip_score", "aesthetic", "ocr", "vqa_score"):
+        assert re.search(rf"^\| {term} \| \d+\.\d+ ms \| \d+\.\d+ ms {ratio}", report, re.M), term
+    assert re.search(rf"^\| sleep 0\.5 s \+ sleep 0\.3 s \|.*{ratio} ≤ 1\.2 \|", report, re.M)
+    assert re.search(rf"^\| geneval \+ pickscore .*{ratio}", report, re.M)
+    assert report.count("Bar (") == 2 and not re.search(r"\bnan\b", report)

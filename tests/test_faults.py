@@ -8,7 +8,7 @@ from tests.conftest import make_config, run_training
 
 
 def faulty_run(tmp_path, fn, *extra):
-    cfg = make_config(f"reward.fn=tests.faulty_rewards:{fn}", "cluster.mode=inline", "trainer.steps=4",
+    cfg = make_config(f"reward.terms.image.fn=tests.faulty_rewards:{fn}", "cluster.mode=inline", "trainer.steps=4",
                       "trainer.prompts_per_step=6", *extra, preset="shapes-tiny")
     rows, info, weights = run_training(cfg, tmp_path, inspect_weights=tuple(cfg.experts.ids()))
     assert len(rows) == 4 and [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -48,7 +48,7 @@ def test_counterfactual_with_a_nan_reward(tmp_path):
                                       ("tests.faulty_rewards:NOT_CALLABLE", "not callable"),
                                       ("just_a_name", "package.module:function")])
 def test_a_reward_plugin_that_cannot_be_used_exits_2(fn, says, tmp_path, capsys):
-    assert cli.main(["train", "--set", f"reward.fn={fn}", "--run-dir", str(tmp_path / "run")]) == 2
+    assert cli.main(["train", "--set", f"reward.terms.image.fn={fn}", "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "reward" in err and says in err and err.count("\n") == 1
     assert not (tmp_path / "run").exists()

@@ -125,8 +125,9 @@ def test_eval_applies_set_on_the_run_and_refuses_unknown_keys(finished, capsys):
     assert "totally" in capsys.readouterr().err
     assert cli.main(["eval", "--run", str(finished), "--set", "evaluation.refine=false",
                      "--set", "evaluation.per_category=1"]) == 0
-    report = json.loads((finished / "eval.json").read_text())
-    assert all(len(s) == 7 for s in (report["held_out"], report["paraphrased"]))  # six tags and overall
+    report = json.loads((finished / "eval.json").read_text())["sets"]
+    assert all(set(s) == {"unrefined"} for s in report.values())
+    assert all(len(s["unrefined"]["image/strict"]) == 7 for s in report.values())  # six tags and overall
     assert "held_out" in capsys.readouterr().out
 
 

@@ -8,8 +8,7 @@ import driver.cli as cli
 from tests.conftest import assert_same_training, looks_like_a_picture, make_config, run_killing, run_training
 
 STEPS = 3
-SCORED = ["reward.fn=tasks.scorers:shapes_and_sharpness",
-          "reward.weights={image: 1.0, fidelity: 0.5, style: 0.5, format: 0.5, sharpness: 0.2}"]
+SCORED = ["reward.terms.sharpness={fn: tasks.scorers:sharpness, weight: 0.2}"]
 
 
 def config(*extra):
@@ -19,7 +18,7 @@ def config(*extra):
 @pytest.fixture(scope="module")
 def logged_run(ray_session, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("logged")
-    cfg = config("reward.actors=2", "logging.tensorboard=true", "logging.wandb=true", "logging.images_every=2",
+    cfg = config("reward.terms.sharpness.actors=2", "logging.tensorboard=true", "logging.wandb=true", "logging.images_every=2",
                  "logging.images_per_log=6")
     rows, _, _ = run_training(cfg, run_dir)
     return run_dir, rows
@@ -34,7 +33,7 @@ def test_a_reward_actor_pool_scores_as_the_workers_would(logged_run, tmp_path):
 
 def test_a_killed_reward_actor_is_waited_for_and_asked_again(logged_run, tmp_path):
     _, reference = logged_run
-    rows, _ = run_killing(config("reward.actors=1", "trainer.steps=5"), tmp_path, [(1, "reward/0")])
+    rows, _ = run_killing(config("reward.terms.sharpness.actors=1", "trainer.steps=5"), tmp_path, [(1, "reward/sharpness/0")])
     assert [r["step"] for r in rows] == list(range(5))
     assert_same_training(rows[:STEPS], reference)
     assert all(r["faults/dropped_samples"] == 0 for r in rows)

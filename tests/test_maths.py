@@ -130,7 +130,7 @@ def test_credit_modes_route_the_right_terms():
     owned = {"refiner_0": ["style"]}
     image_only = group_normalise(terms["image"], groups, np.ones(4, bool), 5.0)
     for mode in ("per_expert", "counterfactual"):
-        without = {"refiner_0": np.full(4, 0.5)}
+        without = {"refiner_0": {t: np.full(4, 0.5) for t in terms}}
         np.testing.assert_allclose(advantages(mode, terms, w, groups, refined, owned, 5.0, without,
                                               generator_terms=["image"]).generator,
                                    image_only)   # the style term is not the generator's doing
@@ -147,9 +147,38 @@ def test_kl3_nonnegative_and_zero_at_equality():
 
 def test_counterfactual_advantage_is_the_normalised_difference_reward():
     terms = {"image": np.array([0.9, 0.5, 0.2, 0.4])}
-    without = {"refiner_0": np.array([0.1, 0.5, 0.2, np.nan])}  # y_0 helped sample 0 only
+    without = {"refiner_0": {"image": np.array([0.1, 0.5, 0.2, np.nan])}}  # y_0 helped sample 0 only
     groups, refined = np.zeros(4, int), np.array([True, True, True, False])
     adv = advantages("counterfactual", terms, {"image": 1.0}, groups, refined, {"refiner_0": []}, 5.0, without)
     d = np.array([0.8, 0.0, 0.0])
     np.testing.assert_allclose(adv.refiners["refiner_0"][:3], (d - d.mean()) / (d.std() + 1e-4))
     assert adv.refiners["refiner_0"][3] == 0.0
+
+
+def test_per_term_normalisation_weights_each_term_by_its_group_spread():
+    """reward.normalize=per_term: z_t = (r_t - mean_g) / (std_g + 1e-4) per group, then weighted;
+    a term on a 100x scale no longer decides the advantage alone."""
+    groups = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    terms = {"big": np.array([10.0, 30.0, 20.0, 40.0, 5.0, 5.0, 5.0, 5.0]),
+             "small": np.array([0.4, 0.1, 0.3, 0.2, 0.1, 0.9, 0.5, 0.3])}
+    w = {"big": 1.0, "small": 1.0}
+    refined = np.ones(8, bool)
+    adv = advantages("shared", terms, w, groups, refined, {}, 50.0, per_term=True)
+    z = {t: np.concatenate([(v[g * 4:g * 4 + 4] - v[g * 4:g * 4 + 4].mean()) / (v[g * 4:g * 4 + 4].std() + 1e-4)
+                            for g in (0, 1)]) for t, v in terms.items()}
+    total = z["big"] + z["small"]
+    expected = np.concatenate([(total[g * 4:g * 4 + 4] - total[g * 4:g * 4 + 4].mean())
+                               / (total[g * 4:g * 4 + 4].std() + 1e-4) for g in (0, 1)])
+    np.testing.assert_allclose(adv.generator, expected)
+    plain = advantages("shared", terms, w, groups, refined, {}, 50.0)
+    assert np.argmax(plain.generator[:4]) == 3 and np.argmax(adv.generator[:4]) != np.argmax(plain.generator[:4]) \
+        or not np.allclose(adv.generator, plain.generator)
+    np.testing.assert_allclose(adv.generator[4:], z["small"][4:] / (z["small"][4:].std() + 1e-4), atol=1e-6)
+    # counterfactual under per_term: D = sum_t w_t (r_t - r_t(without)) / (std_g(r_t) + 1e-4)
+    without = {"refiner_0": {"big": terms["big"] - 10.0, "small": terms["small"]}}
+    cf = advantages("counterfactual", terms, w, groups, refined, {"refiner_0": ["small"]}, 50.0, without,
+                    per_term=True)
+    d = 10.0 / (np.array([terms["big"][:4].std()] * 4 + [0.0] * 4) + 1e-4)
+    expected_cf = np.concatenate([(d[g * 4:g * 4 + 4] - d[g * 4:g * 4 + 4].mean())
+                                  / (d[g * 4:g * 4 + 4].std() + 1e-4) for g in (0, 1)])
+    np.testing.assert_allclose(cf.refiners["refiner_0"], expected_cf, atol=1e-6)

@@ -85,8 +85,8 @@ def test_cli_pretrain_then_eval_base(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "experts.generator.init=" in out and "held_out" in out
     base = next(tmp_path.glob("base-*"))
-    report = json.loads((base / "eval.json").read_text())
-    assert set(report["paraphrased"]) >= {"single_object", "position", "overall"}
+    report = json.loads((base / "eval.json").read_text())["sets"]
+    assert set(report["paraphrased"]["unrefined"]["image/strict"]) >= {"single_object", "position", "overall"}
     assert cli.main(["eval", "--base", str(base), *args]) == 0
     samples = read_png(base / "eval_samples.png")
     assert samples.shape[0] == (6 * 34 + 2) * 4  # one row of samples per category

@@ -109,17 +109,18 @@ def test_counterfactual_of_an_empty_refinement_is_the_sample_itself():
     meta = worker.run(0, _items()).meta
     refined = np.array([it.refine for it in _items()])
     total = sum(w * meta.terms[t] for t, w in cfg.reward.weights.items())
+    without = {e: sum(w * terms[t] for t, w in cfg.reward.weights.items()) for e, terms in meta.counterfactual.items()}
     assert all(r["refiner_1"] == "" for r, f in zip(meta.refinements, refined) if f)
-    np.testing.assert_array_equal(meta.counterfactual["refiner_1"][refined], total[refined])
-    assert np.isnan(meta.counterfactual["refiner_1"][~refined]).all()
-    assert not np.allclose(meta.counterfactual["refiner_0"][refined], total[refined])
+    np.testing.assert_array_equal(without["refiner_1"][refined], total[refined])
+    assert np.isnan(without["refiner_1"][~refined]).all()
+    assert not np.allclose(without["refiner_0"][refined], total[refined])
 
 
 def test_refiner_that_cannot_change_the_image_gets_zero_counterfactual_advantage():
     import torch
 
     from algorithm.credit import advantages
-    cfg, worker = _counterfactual_worker("reward.weights={image: 1.0}", "experts.refiner_0.owns=[image]",
+    cfg, worker = _counterfactual_worker("reward.terms={image: {fn: shapes_image}}", "experts.refiner_0.owns=[image]",
                                          "experts.refiner_1.owns=[image]")
     with torch.no_grad():  # a generator whose velocity is 0 whatever the text: images ignore refinements
         worker.models["generator"].out.weight.zero_()
@@ -137,7 +138,7 @@ def test_counterfactual_fraction_bounds_the_extra_generations():
     _, worker = _counterfactual_worker("algorithm.counterfactual_fraction=0.5")
     items = _items(n_groups=6)
     meta = worker.run(0, items).meta
-    drawn = sum((~np.isnan(v)).sum() for v in meta.counterfactual.values())
+    drawn = sum((~np.isnan(terms["image"])).sum() for terms in meta.counterfactual.values())
     n_refined = sum(it.refine for it in items)
     assert 0 < drawn < 2 * n_refined
 

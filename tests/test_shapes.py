@@ -3,7 +3,10 @@ import numpy as np
 import pytest
 
 from tasks.base import Refinement
-from tasks.reward import TERMS, format_term, shapes_reward, text_scores
+from tasks import SHAPES_TERMS
+from tasks.reward_guard import RewardSet
+from tasks.rewards.base import Options
+from tasks.rewards.shapes import ShapesFidelity, ShapesFormat, ShapesImage, ShapesStyle, format_term
 from tasks.shapes import (CATEGORIES, ObjectClause, Prompt, encode_words, image_checks, make_prompt, render,
                           strict_correct)
 
@@ -46,26 +49,37 @@ def test_detector_catches_each_kind_of_wrong_render(asked, drawn):
         assert not strict_correct(render(drawn, rng), asked)
 
 
+def shapes_reward(owners: dict) -> RewardSet:
+    """The shapes terms as a run scores them: each on the refinements of the refiners owning it."""
+    classes = {"image": ShapesImage, "fidelity": ShapesFidelity, "style": ShapesStyle, "format": ShapesFormat}
+    return RewardSet({t: cls(Options(), None) for t, cls in classes.items()}, owners, timeout_s=10)
+
+
 def test_blank_image_scores_zero_and_terms_are_in_unit_interval():
     prompts = [make_prompt(c, np.random.default_rng(i)) for i, c in enumerate(CATEGORIES)]
     blank = -np.ones((len(prompts), 3, 32, 32), np.float32)
     noise = np.random.default_rng(0).uniform(-1, 1, blank.shape).astype(np.float32)
     refs = [{"refiner_0": Refinement("bright red circle", True)} for _ in prompts]
     for images in (blank, noise):
-        terms = shapes_reward(images, prompts, refs, {"style": ["refiner_0"]})
-        assert set(terms) == set(TERMS)
+        terms, valid, _ = shapes_reward({"style": ["refiner_0"]})(images, prompts, refs)
+        assert set(terms) == set(SHAPES_TERMS) and valid.all()
         assert all(((v >= 0) & (v <= 1)).all() for v in terms.values())
-    assert shapes_reward(blank, prompts, refs, {})["image"].max() == 0.0
+    assert shapes_reward({})(blank, prompts, refs)[0]["image"].max() == 0.0
 
 
 def test_text_terms_are_computed_on_the_owners_tokens():
     prompt = P("a red circle", "single_object", [O("circle", "red")])
     refs = {"refiner_0": Refinement("red circle", True), "refiner_1": Refinement("sharp vivid bold", True)}
     owners = {"fidelity": ["refiner_0"], "style": ["refiner_1"]}
-    s = text_scores(prompt, refs, owners)
+    image = -np.ones((1, 3, 32, 32), np.float32)
+
+    def text_scores(refs, owners):
+        terms, _, _ = shapes_reward(owners)(image, [prompt], [refs])
+        return {t: float(v[0]) for t, v in terms.items() if t != "image"}
+    s = text_scores(refs, owners)
     assert s["fidelity"] == 1.0 and s["style"] == 1.0
-    assert text_scores(prompt, refs, {"fidelity": ["refiner_1"]})["fidelity"] == 0.0
-    assert text_scores(prompt, {}, owners) == {"fidelity": 0.0, "style": 0.0, "format": 0.0}
+    assert text_scores(refs, {"fidelity": ["refiner_1"]})["fidelity"] == 0.0
+    assert text_scores({}, owners) == {"fidelity": 0.0, "style": 0.0, "format": 0.0}
     assert format_term(Refinement("a a", False)) == pytest.approx(1 / 3)
     assert format_term(Refinement("red circle", True)) == 1.0
 

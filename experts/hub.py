@@ -1,0 +1,61 @@
+"""Where a model named in the config is read from: a local folder, a hub id, or `tiny:<kind>`.
+
+`tiny:<kind>` is a tiny random model of a real architecture (Qwen2, SD3, CLIP, OWLv2, TrOCR,
+Qwen2-VL, …), built in-process by a seeded builder and saved once in the `transformers`/`diffusers`
+layout under a cache folder; it is then loaded by the very code a real checkpoint goes through. So
+tests and the `prompts-tiny` preset need no hub, and a run with real models differs only in names.
+The cache is `$JOINTRL_TINY_CACHE`, else `~/.cache/jointrl/tiny`; builds are atomic (a folder is
+renamed into place), so actors that ask at once all end up reading the same files.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY = "tiny:"
+# kind -> builder `package.module:function(out_dir) -> out_dir`; bump a kind's suffix when its builder changes
+BUILDERS = {
+    "qwen2": "experts.tiny_hf:tiny_text_lm",
+    "sd3": "experts.tiny_hf:tiny_text_sd3",
+    "clip": "tasks.rewards.tiny.clip:tiny_clip",
+    "aesthetic": "tasks.rewards.tiny.clip:tiny_aesthetic",
+    "owlv2": "tasks.rewards.tiny.detector:tiny_owlv2",
+    "grounding_dino": "tasks.rewards.tiny.detector:tiny_grounding_dino",
+    "trocr": "tasks.rewards.tiny.ocr:tiny_trocr",
+    "qwen2_vl": "tasks.rewards.tiny.vqa:tiny_qwen2_vl",
+}
+VERSION = "v1"
+
+
+def is_tiny(spec: str | None) -> bool:
+    return bool(spec) and spec.startswith(TINY)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("JOINTRL_TINY_CACHE") or Path.home() / ".cache" / "jointrl" / "tiny")
+
+
+def local_model(spec: str) -> str:
+    """The folder or hub id to load `spec` from: a `tiny:<kind>` is built first if not cached."""
+    if not is_tiny(spec):
+        return spec
+    kind = spec[len(TINY):]
+    if kind not in BUILDERS:
+        raise ValueError(f"unknown tiny model '{spec}'; there are {[TINY + k for k in BUILDERS]}")
+    out = cache_root() / f"{kind}-{VERSION}"
+    if not out.is_dir():
+        module, _, name = BUILDERS[kind].partition(":")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=out.parent))
+        try:
+            getattr(importlib.import_module(module), name)(tmp)
+            os.rename(tmp, out)
+        except OSError:
+            if not out.is_dir():  # not someone else's build that got there first
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

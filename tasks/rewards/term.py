@@ -1,0 +1,63 @@
+"""One reward term's config section (`reward.terms.<name>`) and the scorer it builds.
+
+Keys beyond `fn`, `weight`, `actors` and `resources` are the scorer's options: a built-in
+declares them in its `Options` (unknown keys are config errors, named with the term); a user's
+class may declare them the same way; a plain function takes none.
+"""
+from __future__ import annotations
+
+from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, ValidationError, model_validator
+
+from experts.spec import Resources, Strict
+from tasks.rewards import BUILTINS, is_model, resolve
+
+
+class TermConfig(Strict):
+    """A named reward term: what scores it, its weight in the total, and where it is scored."""
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    fn: str = Field(description="a built-in's short name (clip_score, pickscore, aesthetic, geneval, ocr, "
+                                "vqa_score, format, length, faithful, shapes_*) or package.module:function")
+    weight: NonNegativeFloat = Field(1.0, description="the term's weight in the total reward")
+    actors: NonNegativeInt | None = Field(None, description="K > 0: a pool of K reward actors scores this term "
+                                                            "(its model loaded once per actor); 0: each rollout "
+                                                            "worker scores it; None: `reward.actors`")
+    resources: Resources | None = Field(None, description="what each of this term's reward actors reserves; "
+                                                          "None: `reward.resources`")
+
+    @model_validator(mode="after")
+    def _builtin_options(self):
+        """A built-in's options are checked with the config (a user's code is checked by preflight)."""
+        if self.fn in BUILTINS:
+            self.options()
+        return self
+
+    @property
+    def builtin(self) -> bool:
+        return self.fn in BUILTINS
+
+    def options(self):
+        """The scorer's validated options (None for a plain function)."""
+        found = resolve(self.fn)
+        extra = dict(self.model_extra or {})
+        if not is_model(found):
+            if extra:
+                raise ValueError(f"'{self.fn}' is a function and takes no options, got {sorted(extra)}")
+            return None
+        try:
+            return found.Options.model_validate(extra)
+        except ValidationError as e:
+            raise ValueError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) \
+                from None
+
+    def needs_images(self) -> bool:
+        """False for a text term (a refiner can own it by default); a user's function is assumed
+        to look at images."""
+        if not self.builtin:
+            return True
+        return bool(resolve(self.fn).needs_images)
+
+
+def build_scorer(term: TermConfig, device):
+    """The callable that scores `term`: a class is constructed (its model loaded) here, once."""
+    found = resolve(term.fn)
+    return found(term.options(), device) if is_model(found) else found

@@ -1,0 +1,137 @@
+"""Reward terms as a run composes them: the text terms on cases computed by hand, every term of a
+batch scored at once on the refinements of its owners, a failing term costing only its samples,
+term options checked with the config, and prompts drawn epoch by epoch."""
+import logging
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from algorithm.batch import step_prompts
+from driver.config import ConfigError, load_config, resolve_config
+from tasks.base import Refinement, TextPrompt
+from tasks.reward_guard import RewardSet
+from tasks.rewards.term import TermConfig, build_scorer
+from tasks.rewards.text import Faithful, FaithfulOptions, Format, FormatOptions, Length, LengthOptions
+
+GENEVAL = TextPrompt("a photo of two dogs and a red car", {"tag": "counting", "include": [
+    {"class": "dog", "count": 2}, {"class": "car", "count": 1, "color": "red"}]})
+
+
+def ref(text, ended=True, formatted=None):
+    return {"refiner_0": Refinement(text, ended, formatted)}
+
+
+def test_format_length_and_faithful_by_hand():
+    fmt = Format(FormatOptions(), None)
+    refs = [ref("a dog", True, True), ref("a dog", False, True), ref("a dog", True, False), ref("", True, None), {}]
+    np.testing.assert_array_equal(fmt(None, [GENEVAL] * 5, refs), [1, 0, 0, 0, 0])
+    length = Length(LengthOptions(budget=4), None)
+    texts = ["one two", "one two three four", "1 2 3 4 5 6", "1 2 3 4 5 6 7 8 9", ""]
+    np.testing.assert_allclose(length(None, [GENEVAL] * 5, [ref(t) for t in texts]), [1, 1, 0.5, 0, 0])
+    faithful = Faithful(FaithfulOptions(), None)
+    said = ["two fluffy dogs beside a red car", "2 dogs, a blue car", "a cat", "dogs car"]
+    # clauses: dog named, count 2 said, car named, red said
+    np.testing.assert_allclose(faithful(None, [GENEVAL] * 4, [ref(t) for t in said]), [1, 0.75, 0, 0.5])
+    plain = TextPrompt("A storefront sign that reads \"OPEN 24 HOURS\"")
+    # content words: storefront, sign, reads, open, 24, hours
+    np.testing.assert_allclose(faithful(None, [plain], [ref("a sign reading open 24 hours")]), [4 / 6])
+
+
+def test_faithful_with_a_text_model_is_the_cosine_of_its_embeddings():
+    from transformers import AutoTokenizer, CLIPModel
+
+    from experts.hub import local_model
+    faithful = Faithful(FaithfulOptions(model="tiny:clip"), torch.device("cpu"))
+    prompts = [TextPrompt("a quiet lake at dawn"), TextPrompt("a red bicycle"), GENEVAL]
+    refs = [ref("a calm lake, sunrise, mist"), ref("bicycle"), ref("two dogs")]
+    got = faithful(None, prompts, refs)
+    path = local_model("tiny:clip")
+    tokenizer, model = AutoTokenizer.from_pretrained(path), CLIPModel.from_pretrained(path)
+    with torch.no_grad():
+        for i in range(2):
+            feats = model.get_text_features(**tokenizer([prompts[i].text, refs[i]["refiner_0"].text], padding=True,
+                                                        return_tensors="pt"))
+            feats = feats if isinstance(feats, torch.Tensor) else feats.pooler_output
+            feats = torch.nn.functional.normalize(feats, dim=-1)
+            assert got[i] == pytest.approx(float((feats[0] @ feats[1]).clamp(0, 1)), abs=1e-5)
+    assert got[2] == 0.5  # a GenEval prompt is scored by its clauses: dog and its count
+
+
+def test_every_term_of_a_batch_is_scored_at_once_on_its_owners_refinements():
+    both = threading.Barrier(2, timeout=10)  # neither term returns unless the other runs meanwhile
+    seen = {}
+
+    def term(name):
+        def score(images, prompts, refinements):
+            both.wait()
+            seen[name] = [sorted(r) for r in refinements]
+            return np.ones(len(prompts))
+        return score
+    rewards = RewardSet({"a": term("a"), "b": term("b")}, {"a": ["refiner_1"]}, timeout_s=20)
+    refinements = [{"refiner_0": Refinement("x", True), "refiner_1": Refinement("y", True)}, {}]
+    terms, valid, faults = rewards(np.zeros((2, 3, 4, 4)), [GENEVAL] * 2, refinements)
+    assert valid.all() and not any(faults.values())
+    assert seen == {"a": [["refiner_1"], []], "b": [["refiner_0", "refiner_1"], []]}
+
+
+def test_a_failing_term_costs_its_samples_only_and_says_why(caplog):
+    def picky(images, prompts, refinements):
+        if any("cat" in p.text for p in prompts):
+            raise RuntimeError("no cats here")
+        return np.full(len(prompts), 0.5)
+    prompts = [TextPrompt("a dog"), TextPrompt("a cat"), TextPrompt("a cow")]
+    rewards = RewardSet({"picky": picky, "fine": lambda i, p, r: np.arange(len(p), dtype=float)}, {}, timeout_s=5)
+    with caplog.at_level(logging.WARNING, logger="jointrl.reward"):
+        terms, valid, faults = rewards(np.zeros((3, 3, 4, 4)), prompts, [{}, {}, {}])
+    assert valid.tolist() == [True, False, True] and faults["reward_error"] == 1
+    np.testing.assert_array_equal(terms["fine"], [0, 0, 2])  # an invalid sample's terms are 0
+    assert "picky" in caplog.text and "no cats here" in caplog.text
+
+
+def test_a_term_that_returns_a_dict_is_an_error_naming_it():
+    rewards = RewardSet({"old": lambda i, p, r: {"old": np.ones(len(p))}}, {}, timeout_s=5)
+    _, valid, faults = rewards(np.zeros((1, 3, 4, 4)), [GENEVAL], [{}])
+    assert not valid.any() and faults["reward_error"] == 1
+
+
+@pytest.mark.parametrize("term, says", [
+    ({"fn": "geneval", "threshhold": 0.3}, "threshhold"),
+    ({"fn": "length", "budget": 0}, "budget"),
+    ({"fn": "tasks.scorers:sharpness", "model": "x"}, "takes no options"),
+    ({"fn": "no_such_builtin"}, "package.module:function"),
+])
+def test_term_options_are_checked_with_the_config(term, says):
+    """A built-in's by the schema, a plug-in's by preflight: a config error naming the term either way."""
+    with pytest.raises(ConfigError, match=says) as e:
+        load_config("shapes", [f"reward.terms={{t: {term}}}".replace("'", "")])
+    assert "reward.terms.t" in str(e.value)
+
+
+def test_dotted_term_keys_change_a_term_and_keep_the_others_a_mapping_replaces_them():
+    kept = resolve_config("shapes", ["reward.terms.style.weight=0"])
+    assert kept.reward.weights == {"image": 1.0, "fidelity": 0.5, "style": 0.0, "format": 0.5}
+    replaced = resolve_config("shapes", ["reward.terms={image: {fn: shapes_image}, f: {fn: format}}"])
+    assert replaced.reward.weights == {"image": 1.0, "f": 1.0}
+    assert [r.owns for r in replaced.experts.refiners] == [["f"]] * 3  # the only text term
+    image_only = resolve_config("shapes", ["reward.terms={image: {fn: shapes_image}}", "algorithm.credit=shared"])
+    assert [r.owns for r in image_only.experts.refiners] == [["image"]] * 3  # no text term: the total
+    assert build_scorer(TermConfig(fn="format"), None).__class__ is Format
+
+
+def test_config_keys_list_every_builtins_options():
+    from driver.config_docs import keys
+    listed = keys()
+    for key in ("reward.terms.<name>.fn", "reward.terms.<name>.weight", "reward.terms.<name>.detector",
+                "reward.terms.<name>.budget", "reward.terms.<name>.question", "reward.terms.<name>.unquoted"):
+        assert key in listed, key
+
+
+def test_prompts_are_drawn_epoch_by_epoch():
+    n, per_step = 10, 3
+    drawn = [i for step in range(10) for i in step_prompts(n, step, seed=7, prompts_per_step=per_step)]
+    for epoch in range(3):
+        assert sorted(drawn[epoch * n:(epoch + 1) * n]) == list(range(n))  # each prompt once per epoch
+    assert drawn[:n] != list(range(n)) and drawn[:n] != drawn[n:2 * n]   # shuffled, anew each epoch
+    assert step_prompts(n, 5, 7, per_step) == drawn[15:18]                # a step's prompts need no history
