@@ -150,11 +150,12 @@ def latest_weights(run_dir: Path, expert_ids: list[str]) -> tuple[Path, dict[str
 def pipeline_at(run_dir: Path, config) -> tuple[Path, "RolloutPipeline"]:
     """(the latest verified checkpoint of `run_dir`, a rollout pipeline serving its weights): what
     `jointrl eval`, `sample` and `report` draw with."""
+    from experts.devices import local_device
     from experts.pipeline import RolloutPipeline
     from experts.weights import model_tensors
     ckpt, weights = latest_weights(run_dir, config.experts.ids())
     torch.set_num_threads(1)
-    pipeline = RolloutPipeline(config)
+    pipeline = RolloutPipeline(config, device=local_device())
     for eid, state in weights.items():
         pipeline.load(eid, step_of(ckpt), model_tensors(pipeline.models[eid], state))
     return ckpt, pipeline

@@ -12,6 +12,7 @@ from driver.checkpoint import pipeline_at
 from driver.config import ConfigError
 from driver.images import grid, write_png
 from driver.plots import caption, sample_sheet
+from experts.devices import local_device
 from experts.pipeline import RolloutPipeline
 from tasks.base import to_uint8
 from tasks.evaluation import eval_prompts, evaluate_sets, modes
@@ -72,7 +73,8 @@ def base_config(config, base: Path):
 def evaluate_base(config, base: Path, progress=None) -> dict:
     config = base_config(config, base)
     torch.set_num_threads(1)
-    report = {"checkpoint": str(base), "sets": evaluate(config, RolloutPipeline(config), base, progress)}
+    report = {"checkpoint": str(base), "sets": evaluate(config, RolloutPipeline(config, device=local_device()), base,
+                                                        progress)}
     (base / "eval.json").write_text(json.dumps(report, indent=1))
     return report
 

@@ -10,6 +10,12 @@ def actor_device(resources) -> torch.device:
     return torch.device("cuda") if resources.num_gpus > 0 and torch.cuda.is_available() else torch.device("cpu")
 
 
+def local_device() -> torch.device:
+    """Where a command that runs in its own process (`jointrl eval`, `sample`, `report`) puts its
+    models: this machine's first GPU if it has one, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def to_device(tree, device: torch.device):
     """Every tensor in a nest of dicts and lists, on `device` (anything else as it is)."""
     if isinstance(tree, torch.Tensor):
