@@ -4,7 +4,8 @@ Every advantage is GRPO's group-relative one (arXiv 2402.03300, eq. 3, outcome s
 A_i = (R_i - mean(R_group)) / (std(R_group) + 1e-4), clipped to +-`adv_clip`. Conventions: the
 population std (no Bessel correction; TRL's is sqrt(G/(G-1)) larger), statistics per prompt group
 (Flow-GRPO's per-prompt tracker, arXiv 2505.05470 sec. 4.1), over the samples an expert is
-credited for only.
+credited for only. `batch_std` divides by the std over every such sample of the step instead of
+the group's (Flow-GRPO's `global_std`: a group whose samples barely differ is not blown up).
 
 shared:      every expert uses the total reward's advantage over the whole group, as PromptRL
              trains its rewriter and its flow model from one reward (arXiv 2602.01382 sec. 3); the
@@ -30,6 +31,7 @@ totals are standardised with the group's statistics of the real samples, so D_k 
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -63,15 +65,18 @@ def term_scales(terms: dict[str, np.ndarray], groups: np.ndarray, include: np.nd
     return out
 
 
-def group_normalise(values: np.ndarray, groups: np.ndarray, include: np.ndarray, clip: float) -> np.ndarray:
+def group_normalise(values: np.ndarray, groups: np.ndarray, include: np.ndarray, clip: float,
+                    batch_std: bool = False) -> np.ndarray:
     """A = clip((R - mean) / (std + 1e-4), +-clip) within each group over `include` (GRPO eq. 3's
-    normalised outcome reward); 0 elsewhere."""
+    normalised outcome reward), the std the whole batch's over `include` if `batch_std`; 0 elsewhere."""
     adv = np.zeros_like(values, dtype=np.float64)
+    overall = values[include].std() if batch_std and include.any() else None
     for g in np.unique(groups):
         sel = (groups == g) & include
         if sel.any():
             r = values[sel]
-            adv[sel] = np.clip((r - r.mean()) / (r.std() + 1e-4), -clip, clip)
+            std = r.std() if overall is None else overall
+            adv[sel] = np.clip((r - r.mean()) / (std + 1e-4), -clip, clip)
     return adv
 
 
@@ -84,32 +89,33 @@ class Advantages(NamedTuple):
 def advantages(mode: str, terms: dict[str, np.ndarray], weights: dict[str, float], groups: np.ndarray,
                refined: np.ndarray, owns: dict[str, list[str]], clip: float,
                counterfactual: dict[str, dict[str, np.ndarray]] | None = None, valid: np.ndarray | None = None,
-               generator_terms: list[str] | None = None, per_term: bool = False) -> Advantages:
+               generator_terms: list[str] | None = None, per_term: bool = False,
+               batch_std: bool = False) -> Advantages:
     """Every expert's advantage of every sample. `owns` maps each refiner to the terms it is
     credited with, `generator_terms` the generator's (None: the total); `counterfactual` holds,
     per refiner, the terms of its counterfactual samples (NaN where not drawn). Samples not `valid`
     (their reward failed) get 0 and are left out of every group's statistics; `per_term`
-    standardises each term within its group before weighting."""
+    standardises each term within its group before weighting; `batch_std` as in `group_normalise`."""
+    normalise = functools.partial(group_normalise, clip=clip, batch_std=batch_std)
     everyone = np.ones_like(refined, dtype=bool) if valid is None else np.asarray(valid, bool)
     refined = refined & everyone
     scales = term_scales(terms, groups, everyone) if per_term else None
     total = total_reward(terms, weights, scales)
-    shared = group_normalise(total, groups, everyone, clip)
+    shared = normalise(total, groups, everyone)
     generator = shared
     if generator_terms and mode != "shared":
-        generator = group_normalise(total_reward(terms, {t: weights[t] for t in generator_terms}, scales), groups,
-                                    everyone, clip)
+        generator = normalise(total_reward(terms, {t: weights[t] for t in generator_terms}, scales), groups, everyone)
     refiners = {}
     for eid, owned in owns.items():
         if mode == "shared":
             refiners[eid] = np.where(refined, shared, 0.0)
         elif mode == "per_expert":
             own = total_reward(terms, {t: weights[t] for t in owned}, scales)
-            refiners[eid] = group_normalise(own, groups, refined, clip)
+            refiners[eid] = normalise(own, groups, refined)
         elif mode == "counterfactual":
             without = total_reward(counterfactual[eid], weights, scales)
             drawn = refined & ~np.isnan(without)
-            refiners[eid] = group_normalise(np.where(drawn, total - np.nan_to_num(without), 0.0), groups, drawn, clip)
+            refiners[eid] = normalise(np.where(drawn, total - np.nan_to_num(without), 0.0), groups, drawn)
         else:
             raise ValueError(f"credit mode {mode!r} is not implemented")
     return Advantages(generator, refiners)

@@ -7,15 +7,21 @@ refiner_loss:   GRPO's token-level objective (arXiv 2402.03300, eq. 3) as Prompt
                 Convention: averaged over all valid tokens of the batch (TRL's `dapo`/`bnpo` loss
                 types, verl's `token-mean`), not the mean of per-sequence means of GRPO's eq. 3.
 generator_loss: Flow-GRPO's objective (arXiv 2505.05470, eq. 8): PPO-clipped ratio of each SDE
-                step's Gaussian log-prob, averaged over steps and samples, plus beta * KL.
-                Convention: the KL is the exact KL between the policy's and the reference's step
-                Gaussians, ||mu_theta - mu_ref||^2 / (2 std^2) with std^2 = std_t^2 |Delta sigma|
-                the transition variance, averaged over dimensions. Flow-GRPO's code divides by
-                std_t^2 alone, so this KL is Flow-GRPO's divided by |Delta sigma| (15-25x larger on
-                SD3.5 with 10 steps and an SDE window [0, 4)): Flow-GRPO's beta values do not carry
-                over unchanged.
+                step's Gaussian log-prob, averaged over trained steps and samples, plus beta * KL.
+                Its gradient is accumulated one micro-batch of transitions at a time (by default one
+                step of every sample, as Flow-GRPO's training loop backpropagates per timestep), so
+                the update's memory does not grow with the number of trained steps.
+                KL conventions (`kl_form`): "exact" is the exact KL between the policy's and the
+                reference's step Gaussians, ||mu_theta - mu_ref||^2 / (2 std^2) with std^2 =
+                std_t^2 |Delta sigma| the transition variance, averaged over dimensions; "flow_grpo"
+                is Flow-GRPO's code's, ||mu_theta - mu_ref||^2 / (2 std_t^2), which divides by std_t^2
+                alone: exact * |Delta sigma| (15-25x smaller on SD3.5 with 10 steps), the form in
+                which Flow-GRPO's beta values were published.
+                With beta = 0 the reference is not evaluated (its KL is reported as 0).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -34,12 +40,14 @@ def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: fl
     of rho = exp(logp - sg(logp)), GRPO's single-update case; samples made by an older version are
     corrected by r."""
     logp = policy.token_logprobs(batch["prompts"], batch["tokens"], batch["mask"])
-    with torch.no_grad():
-        ref_logp = reference.token_logprobs(batch["prompts"], batch["tokens"], batch["mask"])
     mask = batch["mask"].float()
     ratio = torch.exp(logp - batch["logps"])
-    kl = kl3(logp, ref_logp)
-    per_token = clipped_surrogate(ratio, adv[:, None], clip_eps) + kl_beta * kl
+    per_token, kl = clipped_surrogate(ratio, adv[:, None], clip_eps), torch.zeros_like(logp)
+    if kl_beta:
+        with torch.no_grad():
+            ref_logp = reference.token_logprobs(batch["prompts"], batch["tokens"], batch["mask"])
+        kl = kl3(logp, ref_logp)
+        per_token = per_token + kl_beta * kl
     n = mask.sum().clamp(min=1.0)
     loss = (per_token * mask).sum() / n
     return loss, {"kl": float((kl.detach() * mask).sum() / n), "ratio_mean": float((ratio.detach() * mask).sum() / n)}
@@ -50,30 +58,72 @@ def clipped_surrogate(ratio, adv, clip_eps: float):
     return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps))
 
 
-def ppo_clip_objective(logp, old_logp, adv, clip_eps: float):
-    """mean(max(-A r, -A clip(r, 1 - eps, 1 + eps))) with r = exp(logp - old_logp)."""
-    ratio = torch.exp(logp - old_logp)
-    return clipped_surrogate(ratio, adv, clip_eps).mean(), ratio
+@dataclass(frozen=True)
+class GeneratorObjective:
+    """The knobs of Flow-GRPO's generator loss (experts.generator's config)."""
+    noise_level: float
+    clip_eps: float
+    kl_beta: float
+    kl_form: str = "exact"          # "exact" | "flow_grpo" (module docstring)
+    train_final_step: bool = True   # False: the last (sigma -> 0) step is sampled but not trained
+    micro_batch: int | None = None  # transitions per backward pass; None: one step of every sample
 
 
-def generator_loss(policy, reference, batch: dict, adv: torch.Tensor, noise_level: float,
-                   clip_eps: float, kl_beta: float):
-    """PPO over every SDE step of every trajectory, re-evaluating each recorded transition; `batch`
-    holds the states (B, T+1, ...), log-probs (B, T), the sigmas (T+1,), which steps were SDE (T,)
-    and the conditioning the model reads (`cond`, per sample). The KL is the exact Gaussian KL
-    (see the module docstring for how it relates to Flow-GRPO's)."""
-    states, old_logp, sigmas = batch["states"], batch["logps"], batch["sigmas"]
-    steps = batch["sde"].nonzero().flatten()          # only SDE transitions have a log-prob to match
-    b, k = states.shape[0], len(steps)
-    x, x_next = states[:, steps].flatten(0, 1), states[:, steps + 1].flatten(0, 1)
+def trained_steps(sde: torch.Tensor, train_final_step: bool) -> torch.Tensor:
+    """The steps the loss trains on: the SDE steps (only they have a log-prob to match), without
+    the last step unless `train_final_step` (Flow-GRPO trains on all but the last by default: its
+    timestep_fraction 0.99; that step's std is tiny and its ratio unstable)."""
+    steps = sde.nonzero().flatten()
+    return steps if train_final_step else steps[steps != len(sde) - 1]
+
+
+def transition_chunks(n_samples: int, steps: torch.Tensor, micro_batch: int | None) -> list[tuple]:
+    """Every (sample, step) transition to train, ordered by step then sample, in chunks of
+    `micro_batch` (None: one step of every sample per chunk): [(sample indices, step indices)]."""
+    rows, cols = torch.arange(n_samples).repeat(len(steps)), steps.repeat_interleave(n_samples)
+    size = micro_batch or n_samples
+    return [(rows[i:i + size], cols[i:i + size]) for i in range(0, len(rows), size)]
+
+
+def step_kl(mean, ref_mean, std, delta, kl_form: str) -> torch.Tensor:
+    """Per transition, KL(policy step || reference step) in `kl_form` (module docstring), averaged
+    over dimensions; `delta` = |sigma_next - sigma| broadcast like `mean`."""
+    exact = (((mean - ref_mean) ** 2) / (2 * std ** 2)).flatten(1).mean(1)
+    return exact * delta.flatten() if kl_form == "flow_grpo" else exact
+
+
+def transition_losses(policy, reference, batch: dict, adv: torch.Tensor, rows, cols, obj: GeneratorObjective):
+    """PPO-clip + beta KL of each transition (rows[i], cols[i]), re-evaluated with the policy;
+    (losses, KLs, ratios), one per transition. `batch` holds the states (B, T+1, ...), log-probs
+    (B, T), the sigmas (T+1,) and the per-sample conditioning `cond` the model reads."""
+    states, sigmas = batch["states"], batch["sigmas"]
+    x, x_next = states[rows, cols], states[rows, cols + 1]
     shape = (-1, *[1] * (x.dim() - 1))
-    s, s_next = sigmas[steps].repeat(b).view(shape), sigmas[steps + 1].repeat(b).view(shape)
-    cond = {name: v.repeat_interleave(k, 0) for name, v in batch["cond"].items()}
+    s, s_next = sigmas[cols].view(shape), sigmas[cols + 1].view(shape)
+    cond = {name: v[rows] for name, v in batch["cond"].items()}
     sigma_max = float(sigmas[1])
-    mean, std = sde_mean_std(x, policy(x, s.flatten(), **cond), s, s_next, noise_level, sigma_max)
-    with torch.no_grad():
-        ref_mean, _ = sde_mean_std(x, reference(x, s.flatten(), **cond), s, s_next, noise_level, sigma_max)
-    logp = gaussian_logp(x_next, mean, std)
-    pg, ratio = ppo_clip_objective(logp, old_logp[:, steps].flatten(), adv.repeat_interleave(k), clip_eps)
-    kl = (((mean - ref_mean) ** 2) / (2 * std ** 2)).flatten(1).mean(1).mean()
-    return pg + kl_beta * kl, {"kl": float(kl.detach()), "ratio_mean": float(ratio.detach().mean())}
+    mean, std = sde_mean_std(x, policy(x, s.flatten(), **cond), s, s_next, obj.noise_level, sigma_max)
+    ratio = torch.exp(gaussian_logp(x_next, mean, std) - batch["logps"][rows, cols])
+    losses = clipped_surrogate(ratio, adv[rows], obj.clip_eps)
+    kl = torch.zeros_like(losses)
+    if obj.kl_beta:
+        with torch.no_grad():
+            ref_mean, _ = sde_mean_std(x, reference(x, s.flatten(), **cond), s, s_next, obj.noise_level, sigma_max)
+        kl = step_kl(mean, ref_mean, std, s - s_next, obj.kl_form)
+        losses = losses + obj.kl_beta * kl
+    return losses, kl.detach(), ratio.detach()
+
+
+def generator_backward(policy, reference, batch: dict, adv: torch.Tensor, obj: GeneratorObjective):
+    """Backpropagate the mean over trained transitions of `transition_losses`, one chunk at a time
+    (the gradient is the full batch's, to float rounding); returns (loss, stats)."""
+    steps = trained_steps(batch["sde"], obj.train_final_step)
+    chunks = transition_chunks(batch["states"].shape[0], steps, obj.micro_batch)
+    n = sum(len(rows) for rows, _ in chunks)
+    loss, kl, ratio = 0.0, 0.0, 0.0
+    for rows, cols in chunks:
+        losses, kls, ratios = transition_losses(policy, reference, batch, adv, rows, cols, obj)
+        part = losses.sum() / n
+        part.backward()
+        loss, kl, ratio = loss + float(part.detach()), kl + float(kls.sum()) / n, ratio + float(ratios.sum()) / n
+    return loss, {"kl": kl, "ratio_mean": ratio}

@@ -103,6 +103,10 @@ class AlgorithmConfig(Strict):
     counterfactual_fraction: float = Field(1.0, gt=0.0, le=1.0, description="share of refined samples "
                                            "regenerated without each refiner (credit=counterfactual)")
     adv_clip: PositiveFloat = Field(5.0, description="advantages are clipped to [-adv_clip, adv_clip]")
+    adv_std: Literal["group", "batch"] = Field("group", description="the std advantages are divided by: each "
+                                               "prompt group's (GRPO), or the whole step's over the samples "
+                                               "credited (Flow-GRPO's global_std); centred on the group's mean "
+                                               "either way")
     grad_clip: PositiveFloat = Field(1.0, description="gradient norm clip of every update")
 
     @model_validator(mode="after")

@@ -68,7 +68,8 @@ class DriverActor:
             valid = meta.valid & within(lag, cfg.cluster.max_staleness)
             adv = advantages(cfg.algorithm.credit, meta.terms, cfg.reward.weights, rollout.groups, rollout.refined,
                              self.owns, cfg.algorithm.adv_clip, meta.counterfactual, valid, cfg.experts.generator.owns,
-                             per_term=cfg.reward.normalize == "per_term")
+                             per_term=cfg.reward.normalize == "per_term",
+                             batch_std=cfg.algorithm.adv_std == "batch")
             due = [e for e in self.trained if step % cfg.expert(e).update_every == 0 and valid.any()]
             with marked_timer("update_s", timings):
                 stats = self.experts.update(step, due, adv, rollout,

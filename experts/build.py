@@ -31,7 +31,8 @@ def load_init_weights(model: torch.nn.Module, path: str, name: str) -> None:
 
 class ExpertKind:
     """What one kind of expert (a refiner, the generator) brings: its config section, its model,
-    which rollout outputs and advantages it learns from, how shards merge, and its loss."""
+    which rollout outputs and advantages it learns from, how shards merge, and its loss with its
+    gradient (`backward`)."""
 
     def __init__(self, config, expert_id: str, spec):
         self.config, self.expert_id, self.spec = config, expert_id, spec
@@ -42,3 +43,13 @@ class ExpertKind:
     def build_model(self, fresh: bool = False) -> torch.nn.Module:
         """The model at version 0: seeded, then from `init` unless `fresh`."""
         return seeded_model(self.config, self.expert_id, self.fresh_model, None if fresh else self.spec.init)
+
+    def loss(self, model, reference, batch: dict, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def backward(self, model, reference, batch: dict, adv: torch.Tensor) -> tuple[float, dict]:
+        """Accumulate the loss's gradient into the trainable parameters; (its value, its stats). A
+        kind whose update would not fit in memory at once overrides this to go in parts."""
+        loss, stats = self.loss(model, reference, batch, adv)
+        loss.backward()
+        return float(loss.detach()), stats

@@ -8,6 +8,7 @@ restarted instance is restored first instead of silently starting over. What the
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import torch
@@ -73,15 +74,16 @@ class Expert:
         return self.last_stats
 
     def apply(self, step: int, advantages: np.ndarray, shards: tuple[dict, ...]) -> dict:
-        """The optimizer step itself: the kind's loss on the shards, one clipped step; its stats."""
+        """The optimizer step itself: the kind's loss on the shards, its gradient, one clipped step;
+        its stats. A non-finite loss leaves the weights as they were."""
         adv = torch.tensor(np.asarray(advantages), dtype=torch.float32, device=self.device)
         self.model.train()
-        loss, stats = self.kind.loss(self.model, self.reference, self.kind.merge(self.model, list(shards), self.device),
-                                     adv)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"{self.expert_id}: non-finite loss at step {step}; update not applied")
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, stats = self.kind.backward(self.model, self.reference,
+                                         self.kind.merge(self.model, list(shards), self.device), adv)
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"{self.expert_id}: non-finite loss at step {step}; update not applied")
         torch.nn.utils.clip_grad_norm_(self.trainable, self.config.algorithm.grad_clip)
         self.optimizer.step()
-        return {"loss": float(loss.detach()), **stats}
+        return {"loss": loss, **stats}

@@ -3,7 +3,7 @@
 in (its shape, its sigma schedule) and the way back to pixels.
 
 `ShapesFrontEnd` serves the tiny DiT: its own frozen text encoder over the shapes vocabulary,
-pixel space, evenly spaced sigmas. A diffusers generator brings its own (experts/sd3.py).
+pixel space, evenly spaced sigmas. A diffusers generator brings its family's (experts/families.py).
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ class ShapesFrontEnd:
 
 def build_frontend(config, device: torch.device = torch.device("cpu")):
     if config.experts.generator.model.kind == "diffusers_flow":
-        from experts.sd3 import SD3FrontEnd
-        return SD3FrontEnd(config, device)
+        from experts.families import family_module
+        from experts.hub import local_model
+        return family_module(local_model(config.experts.generator.model.path)).FrontEnd(config, device)
     return ShapesFrontEnd(config, device)

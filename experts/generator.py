@@ -2,8 +2,9 @@
 
 The generator turns the (refined) prompt into an image with a flow-matching model sampled as an SDE,
 and learns from every reward term (Flow-GRPO). Its kinds are a tiny DiT (`tiny_dit`) and a diffusers
-SD3-family model (`diffusers_flow`). Pure: no driver, cluster or Ray imports; files, models and
-packages named here are checked by driver/preflight.py.
+flow-matching pipeline of a supported family (`diffusers_flow`: experts/families.py). Pure: no
+driver, cluster or Ray imports; files, models and packages named here are checked by
+driver/preflight.py.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-from algorithm.losses import generator_loss
+from algorithm.losses import GeneratorObjective, generator_backward
 from experts.build import ExpertKind
 from experts.devices import to_device
+from experts.flow_family import NEGATIVE
 from experts.seeding import derive_seed
 from experts.spec import LoraConfig, Resources, Strict, default_kind
 
@@ -29,17 +31,23 @@ class TinyDiTConfig(Strict):
 
 
 class DiffusersFlowConfig(Strict):
-    """A diffusers flow-matching model, SD3 family (transformer, CLIP/T5 text encoders, VAE, a
-    FlowMatchEulerDiscreteScheduler with shift); images are task.image_size on a side."""
-    kind: Literal["diffusers_flow"] = Field(description="a diffusers SD3-family flow-matching "
-                                                        "pipeline (needs diffusers, transformers and peft)")
+    """A diffusers flow-matching pipeline of a supported family (SD3, FLUX.1, FLUX.2 klein, Qwen-Image:
+    experts/families.py), chosen by its model_index.json; images are task.image_size on a side."""
+    kind: Literal["diffusers_flow"] = Field(description="a diffusers flow-matching pipeline, its family read "
+                                                        "from its model_index.json (needs diffusers, "
+                                                        "transformers and peft)")
     path: str = Field(description="a local pipeline directory (with model_index.json) or a hub id 'org/name', "
                                   "fetched when loaded")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute")
-    guidance_scale: float = Field(1.0, ge=1.0, description="> 1: classifier-free guidance against the empty "
-                                                           "prompt; 1: none")
-    max_sequence_length: PositiveInt = Field(256, description="T5 tokens of the prompt (a model without T5 pads "
-                                                              "with zeros)")
+    guidance_scale: float = Field(1.0, ge=1.0, description="> 1: true classifier-free guidance against the empty "
+                                                           "prompt (SD3's and FLUX.2 klein's guidance_scale, "
+                                                           "FLUX.1's and Qwen-Image's true_cfg_scale); 1: none")
+    embedded_guidance: PositiveFloat = Field(3.5, description="the guidance a guidance-distilled transformer reads "
+                                                              "through its guidance embedding (FLUX.1-dev's "
+                                                              "guidance_scale); unused by models without one")
+    max_sequence_length: PositiveInt = Field(256, description="text tokens of the prompt the transformer reads "
+                                                              "(T5's for SD3 and FLUX.1, padded: a model without "
+                                                              "T5 pads with zeros)")
     lora: LoraConfig | None = Field(None, description="a LoRA adapter on the transformer to train instead of "
                                                       "the full model; None: full fine-tuning")
 
@@ -53,6 +61,9 @@ class GeneratorConfig(Strict):
     update_every: PositiveInt = Field(1, description="update once every this many steps")
     kl_beta: NonNegativeFloat = Field(0.01, description="weight of the KL penalty to the initial (reference) "
                                                         "model; 0: none")
+    kl_form: Literal["exact", "flow_grpo"] = Field("exact", description="exact: the exact KL between the policy's "
+                                                    "and the reference's step Gaussians; flow_grpo: Flow-GRPO's, "
+                                                    "that KL times |delta sigma| (the form its beta values assume)")
     clip_eps: PositiveFloat = Field(1e-4, description="PPO clip of the probability ratio to the rollout's "
                                                       "log-probs (per denoising step)")
     noise_level: PositiveFloat = Field(0.7, description="SDE noise scale of the sampler (Flow-GRPO's a); "
@@ -61,6 +72,17 @@ class GeneratorConfig(Strict):
     sde_window: list[NonNegativeInt] | None = Field(None, description="[start, end): SDE sampling (and "
                                                     "training) on these steps only, ODE elsewhere "
                                                     "(Flow-GRPO-Fast); None: all steps")
+    train_final_step: bool = Field(True, description="false: the last (sigma -> 0) step is sampled but not trained "
+                                                     "(Flow-GRPO's default: that step's std is tiny, its ratio "
+                                                     "unstable)")
+    same_initial_noise: bool = Field(False, description="one initial noise shared by a prompt's group (Flow-GRPO's "
+                                                        "same_latent); false: each sample its own")
+    train_cfg: bool = Field(True, description="false: the update evaluates the conditional velocity alone, "
+                                              "without classifier-free guidance, even where sampling used it "
+                                              "(the ratio then starts away from 1)")
+    micro_batch: PositiveInt | None = Field(None, description="transitions (sample x step) per backward pass of "
+                                                              "the update; None: one step of every sample. Memory "
+                                                              "grows with it, not with the trained steps")
     init: str | None = Field(None, description="a safetensors checkpoint to start from (a base from `jointrl "
                                                "pretrain`); None: the model's own initial weights")
     resources: Resources = Field(Resources(), description="what this expert's actor reserves from Ray")
@@ -74,6 +96,8 @@ class GeneratorConfig(Strict):
         w = self.sde_window
         if w is not None and (len(w) != 2 or not w[0] < w[1] <= self.sample_steps):
             raise ValueError(f"sde_window {w} must be [start, end) with start < end <= sample_steps ({self.sample_steps})")
+        if not self.train_final_step and (w or [0, self.sample_steps])[0] >= self.sample_steps - 1:
+            raise ValueError(f"train_final_step=false leaves no step of sde_window {w} to train")
         return self
 
 
@@ -83,8 +107,10 @@ class GeneratorKind(ExpertKind):
     def fresh_model(self) -> torch.nn.Module:
         m = self.spec.model
         if m.kind == "diffusers_flow":
-            from experts.sd3 import SD3Velocity
-            return SD3Velocity(self.spec, derive_seed(self.config.trainer.seed, "init", self.expert_id))
+            from experts.families import family_module
+            from experts.hub import local_model
+            return family_module(local_model(m.path)).Velocity(
+                self.spec, derive_seed(self.config.trainer.seed, "init", self.expert_id))
         from experts.dit import TinyDiT
         return TinyDiT(self.config.task.image_size, 3, m.patch, m.d_model, m.n_layers, m.n_heads,
                        self.config.experts.text_encoder.d_model)
@@ -95,13 +121,16 @@ class GeneratorKind(ExpertKind):
 
     def merge(self, model, shards: list[dict], device: torch.device) -> dict:
         """All trajectories of every shard as one batch, their conditioning joined as the model needs
-        it (the tiny DiT re-pads its text features to a common length)."""
+        it (the tiny DiT re-pads its text features to a common length), without the empty prompt's
+        unless the update trains with guidance (`train_cfg`)."""
         return to_device({"states": torch.cat([torch.tensor(s["states"]) for s in shards]),
                           "logps": torch.cat([torch.tensor(s["logps"]) for s in shards]),
-                          "cond": model.merge_conditions([{k: torch.tensor(v) for k, v in s["cond"].items()}
+                          "cond": model.merge_conditions([{k: torch.tensor(v) for k, v in s["cond"].items()
+                                                           if self.spec.train_cfg or not k.startswith(NEGATIVE)}
                                                           for s in shards]),
                           "sigmas": torch.tensor(shards[0]["sigmas"]), "sde": torch.tensor(shards[0]["sde"])}, device)
 
-    def loss(self, model, reference, batch: dict, adv: torch.Tensor):
+    def backward(self, model, reference, batch: dict, adv: torch.Tensor) -> tuple[float, dict]:
         s = self.spec
-        return generator_loss(model, reference, batch, adv, s.noise_level, s.clip_eps, s.kl_beta)
+        return generator_backward(model, reference, batch, adv, GeneratorObjective(
+            s.noise_level, s.clip_eps, s.kl_beta, s.kl_form, s.train_final_step, s.micro_batch))

@@ -20,6 +20,9 @@ TINY = "tiny:"
 BUILDERS = {
     "qwen2": "experts.tiny_hf:tiny_text_lm",
     "sd3": "experts.tiny_hf:tiny_text_sd3",
+    "flux1": "experts.tiny.flux1:tiny_flux1",
+    "flux2_klein": "experts.tiny.flux2:tiny_flux2_klein",
+    "qwen_image": "experts.tiny.qwen_image:tiny_qwen_image",
     "clip": "tasks.rewards.tiny.clip:tiny_clip",
     "aesthetic": "tasks.rewards.tiny.clip:tiny_aesthetic",
     "owlv2": "tasks.rewards.tiny.detector:tiny_owlv2",

@@ -187,10 +187,15 @@ class RolloutPipeline:
         return refinements, tokens
 
     def noise(self, step, samples: list) -> torch.Tensor:
-        """Every Gaussian draw of each sample's trajectory (B, T+1, *latent), seeded per sample."""
-        steps = self.config.experts.generator.sample_steps
-        return torch.stack([torch.randn((steps + 1, *self.frontend.latent_shape), generator=generator(
-            self.config.trainer.seed, "noise", step, s.sample)) for s in samples])
+        """Every Gaussian draw of each sample's trajectory (B, T+1, *latent), seeded per sample; the
+        initial noise seeded per prompt group instead under `generator.same_initial_noise`."""
+        spec, seed = self.config.experts.generator, self.config.trainer.seed
+        draws = torch.stack([torch.randn((spec.sample_steps + 1, *self.frontend.latent_shape), generator=generator(
+            seed, "noise", step, s.sample)) for s in samples])
+        if spec.same_initial_noise:
+            draws[:, 0] = torch.stack([torch.randn(self.frontend.latent_shape, generator=generator(
+                seed, "initial noise", step, s.group)) for s in samples])
+        return draws
 
     def reward(self, images: torch.Tensor, samples: list, refinements: list[dict]):
         """(named terms, valid per sample) of decoded images in [-1, 1], scored against the original

@@ -69,16 +69,19 @@ def tiny_causal_lm(out: Path, seed: int = 0, text: str = "shapes") -> Path:
     return Path(out)
 
 
-def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16, text: str = "shapes") -> Path:
+def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16, text: str = "shapes", num_layers: int = 2,
+             num_heads: int = 4, head_dim: int = 8) -> Path:
     """An SD3-style pipeline (no T5) whose VAE halves the resolution: latents of side `sample_size`
-    decode to images of twice that side. `text` as in `tiny_causal_lm`."""
+    decode to images of twice that side; the transformer `num_layers` deep, `num_heads * head_dim`
+    wide. `text` as in `tiny_causal_lm`."""
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
     torch.manual_seed(seed)
-    transformer = SD3Transformer2DModel(sample_size=sample_size, patch_size=2, in_channels=4, num_layers=2,
-                                        attention_head_dim=8, num_attention_heads=4, joint_attention_dim=32,
-                                        caption_projection_dim=32, pooled_projection_dim=64, out_channels=4,
+    transformer = SD3Transformer2DModel(sample_size=sample_size, patch_size=2, in_channels=4, num_layers=num_layers,
+                                        attention_head_dim=head_dim, num_attention_heads=num_heads,
+                                        joint_attention_dim=32, caption_projection_dim=num_heads * head_dim,
+                                        pooled_projection_dim=64, out_channels=4,
                                         pos_embed_max_size=64)
     vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
                         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,

@@ -97,7 +97,7 @@ def test_sd3_generator_log_probs_match_and_the_text_cache_hits(models):
     meta, trajectories, _ = worker.run(0, items)
     assert trajectories["sde"].tolist() == [True, True, False, False]
     assert (trajectories["logps"][:, 2:] == 0).all() and (trajectories["logps"][:, :2] != 0).all()
-    assert set(trajectories["cond"]) == {"prompt_embeds", "pooled", "negative_embeds", "negative_pooled"}
+    assert set(trajectories["cond"]) == {"prompt_embeds", "pooled", "negative_prompt_embeds", "negative_pooled"}
     assert meta.cache_misses > 0
     again = worker.run(0, items).meta
     assert again.cache_misses == 0 and again.cache_hits > 0  # the same composed texts

@@ -8,10 +8,12 @@ from experts.frontend import build_text_encoder
 from experts.kinds import build_model
 from algorithm.sde import gaussian_logp, sample, sde_mean_std, sde_steps, sigma_schedule
 from experts.text_encoder import CachedEncoder
-from algorithm.losses import generator_loss, kl3, ppo_clip_objective, refiner_loss
+from algorithm.losses import (GeneratorObjective, clipped_surrogate, generator_backward, kl3, refiner_loss,
+                              trained_steps)
 from tasks.shapes import BOS, prompt_set
 
 CFG = load_config("shapes-tiny")
+OBJECTIVE = GeneratorObjective(noise_level=0.7, clip_eps=1e-4, kl_beta=0.01)
 
 
 def test_sde_logprob_equals_torch_normal():
@@ -46,8 +48,8 @@ def test_an_sde_window_records_and_trains_only_its_steps():
     dit, batch = _trajectories(steps=6, window=[1, 3])
     assert batch["sde"].tolist() == [False, True, True, False, False, False]
     assert (batch["logps"][:, [0, 3, 4, 5]] == 0).all() and (batch["logps"][:, [1, 2]] != 0).all()
-    loss, stats = generator_loss(dit, build_model(CFG, "generator"), batch, torch.tensor([1.0, -1.0, 0.5, 0.0]),
-                                 0.7, 1e-4, 0.01)
+    loss, stats = generator_backward(dit, build_model(CFG, "generator"), batch, torch.tensor([1.0, -1.0, 0.5, 0.0]),
+                                     OBJECTIVE)
     assert abs(stats["ratio_mean"] - 1.0) < 1e-5
     x, sigmas = batch["states"][:, 0], batch["sigmas"]
     with torch.no_grad():  # step 0 is an Euler (ODE) step
@@ -58,10 +60,9 @@ def test_an_sde_window_records_and_trains_only_its_steps():
 def test_generator_recomputed_logprob_equals_recorded_so_first_ratio_is_one():
     dit, batch = _trajectories()
     ref = build_model(CFG, "generator")
-    loss, stats = generator_loss(dit, ref, batch, torch.tensor([1.0, -1.0, 0.5, 0.0]), 0.7, 1e-4, 0.01)
+    loss, stats = generator_backward(dit, ref, batch, torch.tensor([1.0, -1.0, 0.5, 0.0]), OBJECTIVE)
     assert abs(stats["ratio_mean"] - 1.0) < 1e-5
     assert stats["kl"] < 1e-10  # same weights as the reference
-    loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in dit.parameters())
 
 
@@ -94,18 +95,92 @@ def test_refiner_ratio_is_taken_against_the_rollout_logprobs_and_clipped():
 
 
 def test_ppo_clipping():
-    old = torch.zeros(4)
     logp = torch.log(torch.tensor([0.5, 0.9, 1.1, 2.0]))
     adv = torch.ones(4)
-    loss, ratio = ppo_clip_objective(logp, old, adv, clip_eps=0.2)
     # positive advantage: gains capped at 1 + eps, losses not
-    torch.testing.assert_close(loss, -torch.tensor([0.5, 0.9, 1.1, 1.2]).mean())
-    loss_neg, _ = ppo_clip_objective(logp, old, -adv, clip_eps=0.2)
-    torch.testing.assert_close(loss_neg, torch.tensor([0.8, 0.9, 1.1, 2.0]).mean())
+    torch.testing.assert_close(clipped_surrogate(logp.exp(), adv, 0.2), -torch.tensor([0.5, 0.9, 1.1, 1.2]))
+    torch.testing.assert_close(clipped_surrogate(logp.exp(), -adv, 0.2), torch.tensor([0.8, 0.9, 1.1, 2.0]))
     # a clipped sample passes no gradient
     logp = logp.clone().requires_grad_(True)
-    ppo_clip_objective(logp, old, adv, 0.2)[0].backward()
+    clipped_surrogate(logp.exp(), adv, 0.2).mean().backward()
     assert logp.grad[3] == 0 and logp.grad[0] != 0
+
+
+def _grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _moved(dit):
+    """`dit` with its weights nudged, so that ratio and KL are away from their starting values."""
+    with torch.no_grad():
+        for p in dit.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return dit
+
+
+def test_micro_batches_accumulate_the_whole_batch_gradient():
+    """The update's memory is one micro-batch's: its gradient, accumulated part by part, is that of
+    all transitions in one graph, to float rounding, whatever the micro-batch."""
+    dit, batch = _trajectories(steps=5)
+    _moved(dit)
+    ref, adv = build_model(CFG, "generator"), torch.tensor([1.0, -1.0, 0.5, -0.3])
+    results = {}
+    for micro in (20, None, 3, 1):
+        dit.zero_grad()
+        loss, stats = generator_backward(dit, ref, batch, adv, GeneratorObjective(0.7, 0.2, 0.05, micro_batch=micro))
+        results[micro] = (loss, stats, _grads(dit))
+    whole_loss, whole_stats, whole = results[20]  # 4 samples x 5 steps: all in one graph
+    assert whole.abs().sum() > 0 and whole_stats["kl"] > 0
+    for micro, (loss, stats, grads) in results.items():
+        assert abs(loss - whole_loss) < 1e-6 and abs(stats["kl"] - whole_stats["kl"]) < 1e-7, micro
+        torch.testing.assert_close(grads, whole, rtol=1e-5, atol=1e-7)
+
+
+def test_the_final_step_can_be_left_untrained():
+    """train_final_step=false: Flow-GRPO's all-but-last; the last step's transitions no longer count."""
+    sde = torch.ones(5, dtype=torch.bool)
+    assert trained_steps(sde, True).tolist() == [0, 1, 2, 3, 4]
+    assert trained_steps(sde, False).tolist() == [0, 1, 2, 3]
+    assert trained_steps(torch.tensor([False, True, True, False]), False).tolist() == [1, 2]
+    dit, batch = _trajectories(steps=3)
+    _moved(dit)
+    ref, adv = build_model(CFG, "generator"), torch.tensor([1.0, -1.0, 0.5, -0.3])
+    short = {**batch, "sde": torch.tensor([True, True, False])}  # as if only the first two were SDE steps
+    without_last = generator_backward(dit, ref, batch, adv, GeneratorObjective(0.7, 0.2, 0.05, train_final_step=False))
+    first_two = generator_backward(dit, ref, short, adv, GeneratorObjective(0.7, 0.2, 0.05))
+    assert without_last == first_two
+
+
+def test_flow_grpo_kl_is_the_exact_kl_times_the_step():
+    dit, batch = _trajectories(steps=4)
+    _moved(dit)
+    ref, adv = build_model(CFG, "generator"), torch.zeros(4)
+    per_step = {}
+    for form in ("exact", "flow_grpo"):
+        for t in range(4):
+            one = {**batch, "sde": torch.arange(4) == t}
+            per_step[form, t] = generator_backward(dit, ref, one, adv, GeneratorObjective(0.7, 0.2, 1.0, form))[1]["kl"]
+    for t in range(4):
+        delta = float(batch["sigmas"][t] - batch["sigmas"][t + 1])
+        assert abs(per_step["flow_grpo", t] - per_step["exact", t] * delta) <= 1e-6 * per_step["exact", t]
+
+
+def test_a_zero_kl_weight_never_runs_the_reference():
+    """beta = 0: the frozen reference's forward pass is skipped, for the generator and a refiner."""
+    class NoReference:
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("the reference ran with kl_beta = 0")
+        token_logprobs = __call__
+
+    dit, batch = _trajectories(steps=3)
+    loss, stats = generator_backward(dit, NoReference(), batch, torch.ones(4), GeneratorObjective(0.7, 1e-4, 0.0))
+    assert stats["kl"] == 0.0
+    lm = build_model(CFG, "refiner_0")
+    prompts = [list(p.ids) for p in prompt_set(3, seed=2)]
+    tokens, logps, mask = lm.sample(prompts, torch.rand(3, lm.max_new_tokens, generator=torch.Generator().manual_seed(0)))
+    loss, stats = refiner_loss(lm, NoReference(), {"prompts": prompts, "tokens": tokens, "logps": logps, "mask": mask},
+                               torch.ones(3), 0.2, 0.0)
+    assert stats["kl"] == 0.0 and torch.isfinite(loss)
 
 
 def test_group_advantage_normalisation():
@@ -116,6 +191,22 @@ def test_group_advantage_normalisation():
     np.testing.assert_allclose(adv[3:], 0.0)  # equal rewards: no signal
     big = group_normalise(np.array([0.0] * 99 + [1.0]), np.zeros(100, int), np.ones(100, bool), clip=5.0)
     assert big.max() == 5.0  # clipped
+
+
+def test_batch_std_divides_every_group_by_the_whole_steps_spread():
+    """adv_std=batch (Flow-GRPO's global_std): centred per group, divided by the std of every
+    included reward of the step; a group that barely varies keeps small advantages."""
+    r = np.array([1.0, 2.0, 3.0, 10.0, 10.0, 10.01, 7.0])
+    g = np.array([0, 0, 0, 1, 1, 1, 1])
+    include = np.array([True] * 6 + [False])
+    adv = group_normalise(r, g, include, clip=5.0, batch_std=True)
+    std = r[:6].std()
+    np.testing.assert_allclose(adv[:3], (r[:3] - 2.0) / (std + 1e-4))
+    np.testing.assert_allclose(adv[3:6], (r[3:6] - r[3:6].mean()) / (std + 1e-4))
+    assert adv[6] == 0.0 and np.abs(adv[3:6]).max() < 0.01
+    terms = {"image": r}
+    adv = advantages("shared", terms, {"image": 1.0}, g, np.ones(7, bool), {}, 5.0, valid=include, batch_std=True)
+    np.testing.assert_allclose(adv.generator, group_normalise(r, g, include, 5.0, batch_std=True))
 
 
 def test_credit_modes_route_the_right_terms():

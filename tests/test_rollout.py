@@ -158,3 +158,15 @@ def test_a_rollout_is_made_with_the_versions_it_names_even_after_a_newer_one_arr
     assert not np.array_equal(newer, before)
     with pytest.raises(NotSynced, match="generator"):  # v0 is forgotten once a rollout named v1
         worker.rollout(0, items, named)
+
+
+def test_same_initial_noise_shares_a_groups_start_and_nothing_else():
+    """generator.same_initial_noise (Flow-GRPO's same_latent): a prompt's samples start from one
+    noise; their SDE draws still differ, and other groups start elsewhere."""
+    cfg = make_config("experts.generator.same_initial_noise=true", preset="shapes-tiny")
+    worker = RolloutWorker(cfg, 0)
+    noise = worker.noise(2, _items())
+    plain = RolloutWorker(CFG, 0).noise(2, _items())
+    assert (noise[1:4, 0] == noise[0, 0]).all() and (noise[5:8, 0] == noise[4, 0]).all()
+    assert not (noise[4, 0] == noise[0, 0]).all() and not (noise[1, 1] == noise[0, 1]).all()
+    assert (noise[:, 1:] == plain[:, 1:]).all()  # the SDE draws are the per-sample ones

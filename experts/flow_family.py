@@ -1,0 +1,186 @@
+"""What every diffusers flow family shares: loading a pipeline's components, the trained transformer
+with its LoRA adapter and guidance (`FamilyVelocity`), and the frozen front end with its text cache
+(`FamilyFrontEnd`). A family module (experts/sd3.py, flux1.py, flux2.py, qwen_image.py) subclasses
+both and fills in what only it knows: how its transformer reads a latent and a condition, how its
+prompts are encoded, its sigmas and its way back to pixels (experts/families.py).
+
+Conditioning convention: `cond` is a dict of per-sample tensors; its `negative_<name>` entries are
+the empty prompt's, present only when classifier-free guidance is on. Dropping them (the update's
+`train_cfg=false`) gives the conditional velocity alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+from torch import nn
+
+from experts.hf_refiner import DTYPES
+from experts.hub import local_model
+from experts.text_encoder import CacheStats
+
+NEGATIVE = "negative_"
+
+
+def load_index(path: str) -> dict:
+    """The pipeline's `model_index.json`."""
+    from diffusers import DiffusionPipeline
+    return DiffusionPipeline.load_config(path)
+
+
+def component(path: str, index: dict, name: str, dtype: torch.dtype | None = None):
+    """The pipeline component `name` (None where the model has none, e.g. SD3 without T5)."""
+    library, cls = index.get(name) or (None, None)
+    if cls is None:
+        return None
+    kwargs = {"subfolder": name}
+    if dtype is not None and name.startswith(("text_encoder", "transformer", "vae")):
+        kwargs["dtype" if library == "transformers" else "torch_dtype"] = dtype
+    return getattr(importlib.import_module(library), cls).from_pretrained(path, **kwargs)
+
+
+def split_negative(cond: dict) -> tuple[dict, dict]:
+    """(the prompt's conditioning, the empty prompt's, without its prefix)."""
+    positive = {k: v for k, v in cond.items() if not k.startswith(NEGATIVE)}
+    negative = {k[len(NEGATIVE):]: v for k, v in cond.items() if k.startswith(NEGATIVE)}
+    return positive, negative
+
+
+class FamilyVelocity(nn.Module):
+    """The trained transformer as v(x, sigma | cond) on the latent grid (B, *latent_shape), with
+    classifier-free guidance when `cond` carries the empty prompt's conditioning. Subclasses define
+    `velocity(x, sigma, cond)` (one branch) and may override `guide` and `LORA_TARGETS`."""
+    LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the joint attention's projections
+
+    def __init__(self, spec, seed: int):
+        super().__init__()
+        m = spec.model
+        self.spec = m
+        self.path = local_model(m.path)
+        self.transformer = component(self.path, load_index(self.path), "transformer", DTYPES[m.dtype])
+        if m.lora:
+            from peft import LoraConfig
+            torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built
+            self.transformer.add_adapter(LoraConfig(r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
+                                                    target_modules=m.lora.target_modules or self.LORA_TARGETS,
+                                                    init_lora_weights=True))
+
+    @property
+    def lora(self) -> bool:
+        return self.spec.lora is not None
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def guide(self, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance: v_uncond + g (v_cond - v_uncond)."""
+        return uncond + self.spec.guidance_scale * (cond - uncond)
+
+    def forward(self, x, sigma, **cond) -> torch.Tensor:
+        """v(x, sigma | text), guided against the empty prompt when `cond` holds its conditioning;
+        both branches in one batch."""
+        positive, negative = split_negative(cond)
+        if not negative or self.spec.guidance_scale == 1.0:
+            return self.velocity(x, sigma, positive)
+        both = self.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]),
+                             {k: torch.cat([negative[k], positive[k]]) for k in positive})
+        uncond, conditional = both.chunk(2)
+        return self.guide(uncond, conditional)
+
+    @staticmethod
+    def merge_conditions(conds: list[dict]) -> dict[str, torch.Tensor]:
+        """Conditioning of several rollout shards as one batch (fixed-length embeddings: joined)."""
+        return {k: torch.cat([torch.as_tensor(c[k]) for c in conds]) for k in conds[0]}
+
+    def synced_state(self) -> dict[str, torch.Tensor]:
+        state = self.state_dict()
+        return {k: v for k, v in state.items() if "lora_" in k} if self.lora else state
+
+    @contextlib.contextmanager
+    def adapter_disabled(self):
+        """A context in which the transformer is its frozen base (LoRA): the reference, without a copy."""
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+
+class FamilyFrontEnd:
+    """What a rollout worker keeps frozen: the family's text encoders behind a cache keyed by the
+    composed text, its VAE and its scheduler. Subclasses name their `COMPONENTS` and define
+    `encode_texts`, `latent_grid`, `sigmas` and `decode`."""
+    COMPONENTS: tuple[str, ...] = ()
+    ENCODERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")  # frozen modules moved to the device
+
+    def __init__(self, config, device: torch.device):
+        m = config.experts.generator.model
+        self.config, self.spec, self.device = config, m, device
+        self.path = local_model(m.path)
+        self.index = load_index(self.path)
+        self.parts = {name: component(self.path, self.index, name, DTYPES[m.dtype]) for name in self.COMPONENTS}
+        for name in self.ENCODERS:
+            if self.parts.get(name) is not None:
+                self.parts[name].requires_grad_(False).eval().to(device)
+        self.vae, self.scheduler = self.parts.get("vae"), self.parts.get("scheduler")
+        self.latent_shape = self.latent_grid(config.task.image_size)
+        self.cache: dict[str, dict[str, torch.Tensor]] = {}
+        self.stats = CacheStats()
+        self.version = 0  # the text encoders never train
+
+    def check_side(self, factor: int) -> int:
+        """task.image_size / `factor` (the pixels per latent cell of the family); ValueError if it is not whole."""
+        size = self.config.task.image_size
+        if size % factor:
+            raise ValueError(f"task.image_size={size} is not a multiple of {factor}, the pixels per latent cell "
+                             f"of experts.generator.model.path={self.spec.path}")
+        return size // factor
+
+    def latent_grid(self, image_size: int) -> tuple[int, ...]:
+        """The shape of one latent on the flow's grid (unpacked), for images `image_size` on a side."""
+        raise NotImplementedError
+
+    def encode_texts(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """The family's conditioning of `texts`, each entry (len(texts), ...), fixed-length per sample."""
+        raise NotImplementedError
+
+    def sigmas(self, steps: int) -> torch.Tensor:
+        """The family's sigmas for `steps` steps, from 1 down to 0 (T+1,), shifted as its pipeline does."""
+        raise NotImplementedError
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [-1, 1] from latents on the flow's grid."""
+        raise NotImplementedError
+
+    def compose(self, prompt, refs: dict, drop: str | None) -> str:
+        """The prompt, then each refiner's refinement (except `drop`), as one text."""
+        order = self.config.experts.active_refiners()
+        return ", ".join([prompt.text, *[refs[e].text for e in order if e in refs and e != drop and refs[e].text]])
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """`encode_texts` behind the cache: each distinct text is encoded once per worker."""
+        missing = list(dict.fromkeys(t for t in texts if t not in self.cache))
+        self.stats.count(texts, self.cache)
+        if missing:
+            encoded = self.encode_texts(missing)
+            for i, t in enumerate(missing):
+                self.cache[t] = {k: v[i].float() if v.is_floating_point() else v[i] for k, v in encoded.items()}
+        return {k: torch.stack([self.cache[t][k] for t in texts]) for k in self.cache[texts[0]]}
+
+    def condition(self, prompts: list, refinements: list[dict], drop: str | None = None) -> dict[str, torch.Tensor]:
+        """The conditioning of each sample's composed text, and the empty prompt's under guidance."""
+        cond = self.encode([self.compose(p, r, drop) for p, r in zip(prompts, refinements)])
+        if self.spec.guidance_scale != 1.0:
+            negative = self.encode([""])
+            cond.update({NEGATIVE + k: v.expand_as(cond[k]).contiguous() for k, v in negative.items()})
+        return cond
+
+    def scheduler_sigmas(self, steps: int, **kwargs) -> torch.Tensor:
+        """The scheduler's own sigmas (with its trailing 0) after `set_timesteps(steps, **kwargs)`."""
+        self.scheduler.set_timesteps(steps, **kwargs)
+        return self.scheduler.sigmas.float().clone()
+
+    def take_stats(self) -> tuple[int, int]:
+        return self.stats.take()

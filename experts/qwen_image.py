@@ -1,0 +1,91 @@
+"""The Qwen-Image family (`QwenImagePipeline`): an MMDiT on 2x2-packed tokens of a causal 3-D VAE's
+latents (B, C, 1, H/8, W/8), a Qwen2.5-VL text encoder read through a chat template whose system turn
+is dropped, and a FlowMatchEulerDiscreteScheduler with dynamic (sequence-length) shifting. As diffusers'
+pipeline: sigmas linspace(1, 1/N, N) shifted by mu = calculate_shift(image tokens), timestep = sigma,
+true classifier-free guidance whose combination is rescaled, token by token, to the conditional
+prediction's norm, latents decoded as z * latents_std + latents_mean.
+
+jointrl's flow runs on the unpacked grid (C, H/8, W/8) without the frame axis; the velocity packs and
+unpacks. The prompt's embeddings are padded with zeros to max_sequence_length, with a mask of the real
+tokens (the pipeline pads to the batch's longest prompt): the transformer masks padded text tokens out
+of attention and places text RoPE by index, so the padding leaves the velocity unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from experts.flow_family import FamilyFrontEnd, FamilyVelocity
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C): the pipeline's 2x2 patches as tokens."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), 4 * c)
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of `pack`, to (B, C, height, width)."""
+    b, _, channels = tokens.shape
+    return (tokens.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+            .reshape(b, channels // 4, height, width))
+
+
+class Velocity(FamilyVelocity):
+    # the joint attention's projections, image and text stream (verl's Flow-GRPO for Qwen-Image adds the MLPs)
+    LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+    def velocity(self, x, sigma, cond) -> torch.Tensor:
+        dtype = self.transformer.dtype
+        batch, _, height, width = x.shape
+        out = self.transformer(hidden_states=pack(x).to(dtype), timestep=sigma.to(dtype),
+                               encoder_hidden_states=cond["prompt_embeds"].to(dtype),
+                               encoder_hidden_states_mask=cond["prompt_embeds_mask"],
+                               img_shapes=[[(1, height // 2, width // 2)]] * batch).sample
+        return unpack(out.float(), height, width)
+
+    def guide(self, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Qwen-Image's true CFG: each packed token's guided velocity rescaled to the conditional one's norm."""
+        negative, positive = pack(uncond), pack(cond)
+        combined = negative + self.spec.guidance_scale * (positive - negative)
+        rescaled = combined * (positive.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+        return unpack(rescaled, *cond.shape[-2:])
+
+
+class FrontEnd(FamilyFrontEnd):
+    COMPONENTS = ("scheduler", "vae", "text_encoder", "tokenizer")
+
+    def __init__(self, config, device: torch.device):
+        from diffusers import QwenImagePipeline
+        super().__init__(config, device)
+        self.pipeline = QwenImagePipeline(transformer=None, **self.parts)
+
+    def latent_grid(self, image_size: int) -> tuple[int, ...]:
+        # the pipeline's latent side: 2 * (size // (2 * vae_scale_factor)), even for the 2x2 packing
+        side = 2 * self.check_side(2 * 2 ** len(self.vae.temperal_downsample))
+        return self.vae.config.z_dim, side, side
+
+    def encode_texts(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        length = self.spec.max_sequence_length
+        embeds, mask = self.pipeline.encode_prompt(prompt=texts, device=self.device, max_sequence_length=length)
+        if mask is None:  # the pipeline's "no padding"
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        pad = length - embeds.shape[1]
+        return {"prompt_embeds": F.pad(embeds, (0, 0, 0, pad)), "prompt_embeds_mask": F.pad(mask, (0, pad)).bool()}
+
+    def sigmas(self, steps: int) -> torch.Tensor:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+        _, height, width = self.latent_shape
+        c = self.scheduler.config
+        mu = calculate_shift((height // 2) * (width // 2), c.get("base_image_seq_len", 256),
+                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        return self.scheduler_sigmas(steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        c, dtype = self.vae.config, self.vae.dtype
+        frames = latents[:, :, None].to(dtype)  # the VAE's (B, C, frames=1, H, W)
+        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(latents.device, dtype)
+        inverse_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(latents.device, dtype)
+        return self.vae.decode(frames / inverse_std + mean).sample[:, :, 0].float().clamp(-1, 1)

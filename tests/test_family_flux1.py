@@ -1,0 +1,104 @@
+"""The FLUX.1 family against diffusers' `FluxPipeline` on tiny random models (`tiny:flux1`, dev-like:
+a guidance embedding and dynamic shifting; and a schnell-like one built here, with neither): the same
+initial latents, steps, embedded guidance and true_cfg_scale give the same latents and images; the
+SDE's log-probs are Normal's; the LoRA reference is the base; bfloat16 loads.
+
+What jointrl does differently, none of which changes the result: it batches true guidance's two
+branches in one forward pass (the pipeline makes two); its flow runs on the unpacked grid
+(C, H/8, W/8), packed to the pipeline's 2x2 tokens inside the velocity (the pipeline holds packed
+tokens through the loop and takes and returns its latents packed, which the test packs and
+unpacks). The pipeline's negative prompt is always the empty one, passed to it once per prompt: a
+single negative's embeddings would not batch with the latents.
+"""
+import pytest
+import torch
+
+from experts.flux1 import pack, unpack
+from experts.hub import local_model
+from tasks.base import TextPrompt
+from tests.family_check import (PROMPTS, assert_close, assert_logps_are_normal, family_config, initial_latents,
+                                jointrl_ode, parts)
+
+STEPS = 4
+EMBEDDED_GUIDANCE = 3.5
+
+
+def assert_pipeline_equal(path: str, guidance: float) -> None:
+    """jointrl's ODE sampling of the model at `path` with true guidance `guidance` gives the pipeline's
+    latents and images."""
+    from diffusers import FluxPipeline
+    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}",
+                                             f"experts.generator.model.embedded_guidance={EMBEDDED_GUIDANCE}"))
+    latents = initial_latents(frontend, len(PROMPTS))
+    ours, image = jointrl_ode(velocity, frontend, PROMPTS, latents, STEPS)
+    size = frontend.config.task.image_size
+    pipe = FluxPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    negative = {"negative_prompt": [""] * len(PROMPTS)} if guidance > 1 else {}
+    common = dict(prompt=PROMPTS, num_inference_steps=STEPS, guidance_scale=EMBEDDED_GUIDANCE,
+                  true_cfg_scale=guidance, max_sequence_length=16, height=size, width=size, **negative)
+    reference = pipe(latents=pack(latents), output_type="latent", **common).images
+    assert_close(ours, unpack(reference, *latents.shape[-2:]), 1e-5, "final latents")
+    pixels = pipe(latents=pack(latents), output_type="pt", **common).images  # [0, 1]
+    assert_close((image + 1) / 2, pixels, 1e-5, "decoded images")
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0])
+def test_flux1_dev_ode_sampling_equals_the_diffusers_pipeline(guidance):
+    assert_pipeline_equal(local_model("tiny:flux1"), guidance)
+
+
+def test_flux1_schnell_ode_sampling_equals_the_diffusers_pipeline(tmp_path):
+    """No guidance embedding (embedded_guidance unused) and a fixed shift, which ignores mu."""
+    from experts.tiny.flux1 import tiny_flux1
+    assert_pipeline_equal(str(tiny_flux1(tmp_path / "schnell", variant="schnell")), 1.0)
+
+
+def test_pack_is_the_inverse_of_unpack():
+    latents = torch.randn(2, 4, 6, 8)
+    assert pack(latents).shape == (2, 12, 16)
+    assert torch.equal(unpack(pack(latents), 6, 8), latents)
+
+
+def test_flux1_sde_log_probs_are_normal_log_densities():
+    velocity, frontend = parts(family_config(local_model("tiny:flux1"), "experts.generator.model.guidance_scale=3.0"))
+    assert_logps_are_normal(velocity, frontend, PROMPTS, STEPS)
+
+
+@torch.no_grad()
+def test_lora_reference_is_the_base_transformer():
+    path = local_model("tiny:flux1")
+    base, frontend = parts(family_config(path, "experts.generator.model.guidance_scale=3.0"))
+    adapted, _ = parts(family_config(path, "experts.generator.model.guidance_scale=3.0",
+                                     "experts.generator.model.lora={r: 4, alpha: 8}"))
+    synced = adapted.synced_state()
+    assert synced and all("lora_" in k for k in synced)
+    wrapped = {k.split(".lora_")[0].removeprefix("transformer.") for k in synced}
+    double = {f"transformer_blocks.0.{m}" for m in [
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+        "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+        "ff_context.net.2"]}
+    single = {f"single_transformer_blocks.0.attn.{m}" for m in ["to_q", "to_k", "to_v"]}
+    assert wrapped == double | single
+    for name, param in adapted.named_parameters():
+        if "lora_" in name:
+            param.copy_(torch.randn_like(param))
+    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
+    x, sigma = initial_latents(frontend, len(PROMPTS)), torch.full((len(PROMPTS),), 0.5)
+    with adapted.adapter_disabled():
+        reference = adapted(x, sigma, **cond)
+    assert_close(reference, base(x, sigma, **cond), 1e-6, "velocity with the adapter disabled")
+    assert not torch.allclose(adapted(x, sigma, **cond), reference)
+
+
+@torch.no_grad()
+def test_flux1_loads_in_bfloat16():
+    path = local_model("tiny:flux1")
+    velocity, frontend = parts(family_config(path, "experts.generator.model.dtype=bfloat16",
+                                             "experts.generator.model.guidance_scale=3.0"))
+    assert velocity.transformer.dtype == torch.bfloat16
+    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
+    x = initial_latents(frontend, len(PROMPTS))
+    v = velocity(x, torch.full((len(PROMPTS),), 0.5), **cond)
+    assert v.shape == x.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
+    assert torch.isfinite(frontend.decode(x)).all()

@@ -1,0 +1,95 @@
+"""The FLUX.2 klein family against diffusers' `Flux2KleinPipeline` on a tiny random model
+(`tiny:flux2_klein`): the same initial latents, steps and guidance_scale give the same latents and
+images; the SDE's log-probs are Normal's; the LoRA reference is the base; bfloat16 loads; a
+step-distilled model refuses guidance, which its pipeline would ignore.
+
+What jointrl does differently, none of which changes the result: it batches the guidance's two
+branches in one forward pass (the pipeline makes two); its flow runs on the pipeline's noise space,
+the batch-normalised 2x2-patchified grid, which it packs into tokens inside the velocity (the
+pipeline holds packed tokens through the loop and unpacks them once at the end). The pipeline takes
+its initial latents on that same grid, and its output_type="latent" is the VAE's latents, which the
+front end's `vae_latents` gives of ours. The pipeline's negative prompt is always the empty one.
+"""
+import json
+import shutil
+
+import pytest
+import torch
+
+from experts.hub import local_model
+from tasks.base import TextPrompt
+from tests.family_check import (PROMPTS, assert_close, assert_logps_are_normal, family_config, initial_latents,
+                                jointrl_ode, parts)
+
+STEPS = 4
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_flux2_klein_ode_sampling_equals_the_diffusers_pipeline(guidance):
+    from diffusers import Flux2KleinPipeline
+    path = local_model("tiny:flux2_klein")
+    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}"))
+    latents = initial_latents(frontend, len(PROMPTS))
+    ours, image = jointrl_ode(velocity, frontend, PROMPTS, latents, STEPS)
+    size = frontend.config.task.image_size
+    pipe = Flux2KleinPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    common = dict(prompt=PROMPTS, num_inference_steps=STEPS, guidance_scale=guidance, max_sequence_length=16,
+                  height=size, width=size)
+    reference = pipe(latents=latents.clone(), output_type="latent", **common).images
+    assert_close(frontend.vae_latents(ours), reference, 1e-5, "final latents")
+    pixels = pipe(latents=latents.clone(), output_type="pt", **common).images  # [0, 1]
+    assert_close((image + 1) / 2, pixels, 1e-5, "decoded images")
+
+
+def test_flux2_klein_sde_log_probs_are_normal_log_densities():
+    velocity, frontend = parts(family_config(local_model("tiny:flux2_klein"),
+                                             "experts.generator.model.guidance_scale=4.0"))
+    assert_logps_are_normal(velocity, frontend, PROMPTS, STEPS)
+
+
+@torch.no_grad()
+def test_lora_reference_is_the_base_transformer():
+    path = local_model("tiny:flux2_klein")
+    base, frontend = parts(family_config(path, "experts.generator.model.guidance_scale=4.0"))
+    adapted, _ = parts(family_config(path, "experts.generator.model.guidance_scale=4.0",
+                                     "experts.generator.model.lora={r: 4, alpha: 8}"))
+    synced = adapted.synced_state()
+    assert synced and all("lora_" in k for k in synced)
+    wrapped = {k.split(".lora_")[0].removeprefix("transformer.") for k in synced}
+    assert wrapped == {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k",
+                       "transformer_blocks.0.attn.to_v", "transformer_blocks.0.attn.to_out.0",
+                       "single_transformer_blocks.0.attn.to_qkv_mlp_proj", "single_transformer_blocks.0.attn.to_out"}
+    for name, param in adapted.named_parameters():
+        if "lora_" in name:
+            param.copy_(torch.randn_like(param))
+    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
+    x, sigma = initial_latents(frontend, len(PROMPTS)), torch.full((len(PROMPTS),), 0.5)
+    with adapted.adapter_disabled():
+        reference = adapted(x, sigma, **cond)
+    assert_close(reference, base(x, sigma, **cond), 1e-6, "velocity with the adapter disabled")
+    assert not torch.allclose(adapted(x, sigma, **cond), reference)
+
+
+@torch.no_grad()
+def test_flux2_klein_loads_in_bfloat16():
+    path = local_model("tiny:flux2_klein")
+    velocity, frontend = parts(family_config(path, "experts.generator.model.dtype=bfloat16",
+                                             "experts.generator.model.guidance_scale=4.0"))
+    assert velocity.transformer.dtype == torch.bfloat16
+    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
+    x = initial_latents(frontend, len(PROMPTS))
+    v = velocity(x, torch.full((len(PROMPTS),), 0.5), **cond)
+    assert v.shape == x.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
+    assert torch.isfinite(frontend.decode(x)).all()
+
+
+def test_a_step_distilled_model_refuses_guidance(tmp_path):
+    from experts.frontend import build_frontend
+    distilled = tmp_path / "klein-distilled"
+    shutil.copytree(local_model("tiny:flux2_klein"), distilled)
+    index = json.loads((distilled / "model_index.json").read_text())
+    (distilled / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    with pytest.raises(ValueError, match="step-distilled"):
+        build_frontend(family_config(str(distilled), "experts.generator.model.guidance_scale=4.0"))
+    build_frontend(family_config(str(distilled)))

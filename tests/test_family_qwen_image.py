@@ -1,0 +1,101 @@
+"""The Qwen-Image family against diffusers' `QwenImagePipeline` on a tiny random model
+(`tiny:qwen_image`): the same initial latents, steps and true_cfg_scale give the same latents and
+images; the SDE's log-probs are Normal's; the LoRA reference is the base; bfloat16 loads.
+
+What jointrl does differently, none of which changes the result: it pads every prompt's embeddings
+to max_sequence_length with a mask of the real tokens (the pipeline pads to the batch's longest and
+drops the mask when nothing is padded), checked below to leave the velocity unchanged; it batches the
+guidance's two branches in one forward pass (the pipeline makes two); its flow runs on the unpacked
+grid (C, H/8, W/8), packed to the pipeline's 2x2 tokens inside the velocity, where the guidance's
+norm rescaling is computed per packed token as the pipeline's. The empty negative prompt is passed
+to the pipeline once per prompt: a single negative's embeddings would not batch with the latents.
+"""
+import pytest
+import torch
+
+from experts.hub import local_model
+from experts.qwen_image import Velocity, pack, unpack
+from tasks.base import TextPrompt
+from tests.family_check import (PROMPTS, assert_close, assert_logps_are_normal, family_config, initial_latents,
+                                jointrl_ode, parts)
+
+STEPS = 4
+
+
+def pipeline(path: str):
+    from diffusers import QwenImagePipeline
+    pipe = QwenImagePipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_qwen_image_ode_sampling_equals_the_diffusers_pipeline(guidance):
+    path = local_model("tiny:qwen_image")
+    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}"))
+    latents = initial_latents(frontend, len(PROMPTS))
+    ours, image = jointrl_ode(velocity, frontend, PROMPTS, latents, STEPS)
+    size = frontend.config.task.image_size
+    negative = {"negative_prompt": [""] * len(PROMPTS)} if guidance > 1 else {}
+    common = dict(prompt=PROMPTS, num_inference_steps=STEPS, true_cfg_scale=guidance, max_sequence_length=16,
+                  height=size, width=size, **negative)
+    pipe = pipeline(path)
+    reference = pipe(latents=pack(latents), output_type="latent", **common).images
+    assert_close(ours, unpack(reference, *latents.shape[-2:]), 1e-5, "final latents")
+    pixels = pipe(latents=pack(latents), output_type="pt", **common).images  # [0, 1]
+    assert_close((image + 1) / 2, pixels, 1e-5, "decoded images")
+
+
+@torch.no_grad()
+def test_padding_to_max_sequence_length_leaves_the_velocity_unchanged():
+    """Each prompt alone, unpadded as the pipeline encodes it, against the front end's batch padded to 64."""
+    path = local_model("tiny:qwen_image")
+    velocity, frontend = parts(family_config(path, "experts.generator.model.max_sequence_length=64"))
+    padded = frontend.encode_texts(PROMPTS)
+    assert padded["prompt_embeds"].shape[1] == 64 and not padded["prompt_embeds_mask"].all(dim=1).any()
+    x, sigma = initial_latents(frontend, 1), torch.tensor([0.6])
+    for i, prompt in enumerate(PROMPTS):
+        embeds, mask = frontend.pipeline.encode_prompt(prompt=[prompt], max_sequence_length=64)
+        assert mask is None
+        alone = velocity.velocity(x, sigma, {"prompt_embeds": embeds, "prompt_embeds_mask": None})
+        ours = velocity.velocity(x, sigma, {k: v[i:i + 1] for k, v in padded.items()})
+        assert_close(ours, alone, 1e-5, f"velocity of {prompt!r}")
+
+
+def test_qwen_image_sde_log_probs_are_normal_log_densities():
+    path = local_model("tiny:qwen_image")
+    velocity, frontend = parts(family_config(path, "experts.generator.model.guidance_scale=4.0"))
+    assert_logps_are_normal(velocity, frontend, PROMPTS, STEPS)
+
+
+@torch.no_grad()
+def test_lora_reference_is_the_base_transformer():
+    path = local_model("tiny:qwen_image")
+    base, frontend = parts(family_config(path, "experts.generator.model.guidance_scale=4.0"))
+    adapted, _ = parts(family_config(path, "experts.generator.model.guidance_scale=4.0",
+                                     "experts.generator.model.lora={r: 4, alpha: 8}"))
+    synced = adapted.synced_state()
+    assert synced and all("lora_" in k for k in synced)
+    assert {t for t in Velocity.LORA_TARGETS for k in synced if f".{t}.lora_" in k} == set(Velocity.LORA_TARGETS)
+    for name, param in adapted.named_parameters():
+        if "lora_" in name:
+            param.copy_(torch.randn_like(param))
+    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
+    x, sigma = initial_latents(frontend, len(PROMPTS)), torch.full((len(PROMPTS),), 0.5)
+    with adapted.adapter_disabled():
+        reference = adapted(x, sigma, **cond)
+    assert_close(reference, base(x, sigma, **cond), 1e-6, "velocity with the adapter disabled")
+    assert not torch.allclose(adapted(x, sigma, **cond), reference)
+
+
+@torch.no_grad()
+def test_qwen_image_loads_in_bfloat16():
+    path = local_model("tiny:qwen_image")
+    velocity, frontend = parts(family_config(path, "experts.generator.model.dtype=bfloat16",
+                                             "experts.generator.model.guidance_scale=4.0"))
+    assert velocity.transformer.dtype == torch.bfloat16
+    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
+    x = initial_latents(frontend, len(PROMPTS))
+    v = velocity(x, torch.full((len(PROMPTS),), 0.5), **cond)
+    assert v.shape == x.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
+    assert torch.isfinite(frontend.decode(x)).all()

@@ -1,0 +1,57 @@
+"""The SD3 family against diffusers' `StableDiffusion3Pipeline` on a tiny random model (`tiny:sd3`):
+the same initial latents, steps and guidance give the same latents and images; the SDE's log-probs
+are Normal's. Nothing the pipeline does is left out here: jointrl batches the guidance's two
+branches in one forward pass, as the pipeline does."""
+import pytest
+import torch
+
+from experts.hub import local_model
+from tests.family_check import (PROMPTS, assert_close, assert_logps_are_normal, family_config, initial_latents,
+                                jointrl_ode, parts)
+
+STEPS = 4
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0])
+def test_sd3_ode_sampling_equals_the_diffusers_pipeline(guidance):
+    from diffusers import StableDiffusion3Pipeline
+    path = local_model("tiny:sd3")
+    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}"))
+    latents = initial_latents(frontend, len(PROMPTS))
+    ours, image = jointrl_ode(velocity, frontend, PROMPTS, latents, STEPS)
+    pipe = StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None, tokenizer_3=None, image_encoder=None,
+                                                    feature_extractor=None)
+    pipe.set_progress_bar_config(disable=True)
+    common = dict(prompt=PROMPTS, num_inference_steps=STEPS, guidance_scale=guidance, max_sequence_length=16,
+                  height=frontend.config.task.image_size, width=frontend.config.task.image_size)
+    reference = pipe(latents=latents.clone(), output_type="latent", **common).images
+    assert_close(ours, reference, 1e-5, "final latents")
+    pixels = pipe(latents=latents.clone(), output_type="pt", **common).images  # [0, 1]
+    assert_close((image + 1) / 2, pixels, 1e-5, "decoded images")
+
+
+def test_sd3_sde_log_probs_are_normal_log_densities():
+    velocity, frontend = parts(family_config(local_model("tiny:sd3"), "experts.generator.model.guidance_scale=2.0"))
+    assert_logps_are_normal(velocity, frontend, PROMPTS, STEPS)
+
+
+def test_train_cfg_false_updates_the_conditional_velocity_alone():
+    """experts.generator.train_cfg=false: the update's batch carries no empty-prompt conditioning,
+    so the velocity it trains is the conditional one, though sampling was guided."""
+    from experts.kinds import expert_kind
+    from tasks.base import TextPrompt
+    config = family_config(local_model("tiny:sd3"), "experts.generator.model.guidance_scale=3.0",
+                           "experts.generator.train_cfg=false")
+    velocity, frontend = parts(config)
+    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
+    assert any(k.startswith("negative_") for k in cond)
+    shard = {"states": torch.zeros(3, STEPS + 1, *frontend.latent_shape).numpy(), "logps": torch.zeros(3, STEPS).numpy(),
+             "cond": {k: v.numpy() for k, v in cond.items()}, "sigmas": frontend.sigmas(STEPS).numpy(),
+             "sde": torch.ones(STEPS, dtype=torch.bool).numpy()}
+    merged = expert_kind(config, "generator").merge(velocity, [shard], torch.device("cpu"))
+    assert set(merged["cond"]) == {k for k in cond if not k.startswith("negative_")}
+    x, sigma = torch.randn(3, *frontend.latent_shape), torch.full((3,), 0.5)
+    with torch.no_grad():
+        conditional = velocity.velocity(x, sigma, merged["cond"])
+        assert torch.equal(velocity(x, sigma, **merged["cond"]), conditional)
+        assert not torch.allclose(velocity(x, sigma, **cond), conditional)
