@@ -7,6 +7,7 @@ works anywhere and a run still fails in one paragraph naming the key instead of 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from safetensors import safe_open
 
 from driver.config import ConfigError, invalid
 from driver.overrides import flat
+from experts.families import FAMILIES
 from experts.hub import BUILDERS, TINY, is_tiny
 
 if TYPE_CHECKING:
@@ -57,6 +59,16 @@ def model_path(path: str) -> str:
     return path
 
 
+def generator_family(path: str) -> None:
+    """A local pipeline folder holds a family jointrl serves (experts/families.py); a hub id is
+    checked when it is fetched."""
+    index = Path(path) / "model_index.json"
+    if index.is_file():
+        found = json.loads(index.read_text()).get("_class_name", "?")
+        if found not in FAMILIES:
+            raise ValueError(f"'{path}' holds a {found}; the generator families supported are {', '.join(FAMILIES)}")
+
+
 def missing(*modules: str) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
@@ -81,6 +93,8 @@ def preflight(config: Config) -> None:
                 problems.append(f"{key}.model.kind: needs {gone}: pip install 'jointrl[hf]'")
             if (path := check(f"{key}.model.path", model_path, spec.model.path)) is not None:
                 spec.model.path = path
+                if spec.model.kind == "diffusers_flow":
+                    check(f"{key}.model.path", generator_family, path)
     if config.experts.text_encoder.init is not None:
         check("experts.text_encoder.init", weights_file, config.experts.text_encoder.init)
     for name, term in config.reward.terms.items():

@@ -141,3 +141,15 @@ def test_expert_ids_map_to_their_sections():
     assert cfg.owners() == {"fidelity": ["refiner_0"], "style": ["refiner_1"]}
     only = load_config("shapes", ["experts.generator_only=true"])
     assert only.experts.ids() == ["generator"] and only.expert("refiner_0") is only.experts.refiners[0]
+
+
+def test_a_pipeline_of_an_unsupported_family_exits_2_naming_what_it_found(no_training, tmp_path, capsys):
+    folder = tmp_path / "sdxl"
+    folder.mkdir()
+    (folder / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
+    args = ["--set", f"experts.generator.model={{kind: diffusers_flow, path: {folder}}}"]
+    assert cli.main(["train", *args, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "experts.generator.model.path" in err and "StableDiffusionXLPipeline" in err
+    assert all(family in err for family in ("StableDiffusion3Pipeline", "FluxPipeline", "Flux2KleinPipeline",
+                                            "QwenImagePipeline"))
