@@ -15,7 +15,8 @@ STEPS = 3
 
 def family_run_config(family: str):
     return make_config(
-        f"trainer.steps={STEPS}", "trainer.checkpoint_every=2", "experts.n_refiners=2", "cluster.rollout_workers=2",
+        f"trainer.steps={STEPS}", "trainer.checkpoint_every=2", "trainer.prompts_per_step=1", "experts.n_refiners=2",
+        "cluster.rollout_workers=2",
         "experts.refiner_0.model={kind: hf_causal_lm, path: 'tiny:qwen2', answer_tag: null}",
         "experts.refiner_1.model={kind: hf_causal_lm, path: 'tiny:qwen2', lora: {r: 4, alpha: 8}}",
         "experts.refiner_0.max_new_tokens=8", "experts.refiner_1.max_new_tokens=8",
