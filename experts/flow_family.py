@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -181,6 +182,15 @@ class FamilyFrontEnd:
         """The scheduler's own sigmas (with its trailing 0) after `set_timesteps(steps, **kwargs)`."""
         self.scheduler.set_timesteps(steps, **kwargs)
         return self.scheduler.sigmas.float().clone()
+
+    def token_shifted_sigmas(self, steps: int, image_tokens: int) -> torch.Tensor:
+        """FLUX.1's and Qwen-Image's schedule: linspace(1, 1/N, N) shifted by mu = calculate_shift of
+        the image's token count, from the scheduler's config (diffusers' one function for both)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+        c = self.scheduler.config
+        mu = calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        return self.scheduler_sigmas(steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
 
     def take_stats(self) -> tuple[int, int]:
         return self.stats.take()

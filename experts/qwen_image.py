@@ -12,7 +12,6 @@ of attention and places text RoPE by index, so the padding leaves the velocity u
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -75,12 +74,8 @@ class FrontEnd(FamilyFrontEnd):
         return {"prompt_embeds": F.pad(embeds, (0, 0, 0, pad)), "prompt_embeds_mask": F.pad(mask, (0, pad)).bool()}
 
     def sigmas(self, steps: int) -> torch.Tensor:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
         _, height, width = self.latent_shape
-        c = self.scheduler.config
-        mu = calculate_shift((height // 2) * (width // 2), c.get("base_image_seq_len", 256),
-                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        return self.scheduler_sigmas(steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        return self.token_shifted_sigmas(steps, (height // 2) * (width // 2))
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
