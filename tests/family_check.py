@@ -69,3 +69,35 @@ def assert_close(ours: torch.Tensor, reference: torch.Tensor, tol: float, what: 
     diff = float((ours.float() - reference.float()).abs().max())
     scale = float(reference.float().abs().max()) or 1.0
     assert diff <= tol * max(1.0, scale), f"{what}: largest difference {diff:.3g} (scale {scale:.3g})"
+
+
+@torch.no_grad()
+def assert_lora_reference_is_base(path: str, *extra: str) -> set[str]:
+    """With random adapter weights, the LoRA model's velocity with the adapter disabled equals the
+    base model's and differs with it enabled; returns the transformer modules LoRA wrapped."""
+    base, frontend = parts(family_config(path, *extra))
+    adapted, _ = parts(family_config(path, *extra, "experts.generator.model.lora={r: 4, alpha: 8}"))
+    synced = adapted.synced_state()
+    assert synced and all("lora_" in k for k in synced)
+    for name, param in adapted.named_parameters():
+        if "lora_" in name:
+            param.copy_(torch.randn_like(param))
+    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
+    x, sigma = initial_latents(frontend, len(PROMPTS)), torch.full((len(PROMPTS),), 0.5)
+    with adapted.adapter_disabled():
+        reference = adapted(x, sigma, **cond)
+    assert_close(reference, base(x, sigma, **cond), 1e-6, "velocity with the adapter disabled")
+    assert not torch.allclose(adapted(x, sigma, **cond), reference)
+    return {k.split(".lora_")[0].removeprefix("transformer.") for k in synced}
+
+
+@torch.no_grad()
+def assert_loads_in_bfloat16(path: str, *extra: str) -> None:
+    """`dtype=bfloat16` loads the transformer in bf16; the velocity comes back float32 and finite."""
+    velocity, frontend = parts(family_config(path, "experts.generator.model.dtype=bfloat16", *extra))
+    assert velocity.transformer.dtype == torch.bfloat16
+    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
+    x = initial_latents(frontend, len(PROMPTS))
+    v = velocity(x, torch.full((len(PROMPTS),), 0.5), **cond)
+    assert v.shape == x.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
+    assert torch.isfinite(frontend.decode(x)).all()

@@ -15,8 +15,8 @@ import torch
 
 from experts.hub import local_model
 from experts.qwen_image import Velocity, pack, unpack
-from tasks.base import TextPrompt
-from tests.family_check import (PROMPTS, assert_close, assert_logps_are_normal, family_config, initial_latents,
+from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
+                                assert_lora_reference_is_base, family_config, initial_latents,
                                 jointrl_ode, parts)
 
 STEPS = 4
@@ -68,34 +68,10 @@ def test_qwen_image_sde_log_probs_are_normal_log_densities():
     assert_logps_are_normal(velocity, frontend, PROMPTS, STEPS)
 
 
-@torch.no_grad()
 def test_lora_reference_is_the_base_transformer():
-    path = local_model("tiny:qwen_image")
-    base, frontend = parts(family_config(path, "experts.generator.model.guidance_scale=4.0"))
-    adapted, _ = parts(family_config(path, "experts.generator.model.guidance_scale=4.0",
-                                     "experts.generator.model.lora={r: 4, alpha: 8}"))
-    synced = adapted.synced_state()
-    assert synced and all("lora_" in k for k in synced)
-    assert {t for t in Velocity.LORA_TARGETS for k in synced if f".{t}.lora_" in k} == set(Velocity.LORA_TARGETS)
-    for name, param in adapted.named_parameters():
-        if "lora_" in name:
-            param.copy_(torch.randn_like(param))
-    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
-    x, sigma = initial_latents(frontend, len(PROMPTS)), torch.full((len(PROMPTS),), 0.5)
-    with adapted.adapter_disabled():
-        reference = adapted(x, sigma, **cond)
-    assert_close(reference, base(x, sigma, **cond), 1e-6, "velocity with the adapter disabled")
-    assert not torch.allclose(adapted(x, sigma, **cond), reference)
+    wrapped = assert_lora_reference_is_base(local_model("tiny:qwen_image"), "experts.generator.model.guidance_scale=4.0")
+    assert {t for t in Velocity.LORA_TARGETS for k in wrapped if k.endswith(f".{t}")} == set(Velocity.LORA_TARGETS)
 
 
-@torch.no_grad()
 def test_qwen_image_loads_in_bfloat16():
-    path = local_model("tiny:qwen_image")
-    velocity, frontend = parts(family_config(path, "experts.generator.model.dtype=bfloat16",
-                                             "experts.generator.model.guidance_scale=4.0"))
-    assert velocity.transformer.dtype == torch.bfloat16
-    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
-    x = initial_latents(frontend, len(PROMPTS))
-    v = velocity(x, torch.full((len(PROMPTS),), 0.5), **cond)
-    assert v.shape == x.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
-    assert torch.isfinite(frontend.decode(x)).all()
+    assert_loads_in_bfloat16(local_model("tiny:qwen_image"), "experts.generator.model.guidance_scale=4.0")

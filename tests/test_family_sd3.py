@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from experts.hub import local_model
-from tests.family_check import (PROMPTS, assert_close, assert_logps_are_normal, family_config, initial_latents,
-                                jointrl_ode, parts)
+from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
+                                assert_lora_reference_is_base, family_config, initial_latents, jointrl_ode, parts)
 
 STEPS = 4
 
@@ -55,3 +55,12 @@ def test_train_cfg_false_updates_the_conditional_velocity_alone():
         conditional = velocity.velocity(x, sigma, merged["cond"])
         assert torch.equal(velocity(x, sigma, **merged["cond"]), conditional)
         assert not torch.allclose(velocity(x, sigma, **cond), conditional)
+
+
+def test_lora_reference_is_the_base_transformer():
+    wrapped = assert_lora_reference_is_base(local_model("tiny:sd3"), "experts.generator.model.guidance_scale=3.0")
+    assert {k.split(".attn.")[-1] for k in wrapped} == {"to_q", "to_k", "to_v", "to_out.0"}
+
+
+def test_sd3_loads_in_bfloat16():
+    assert_loads_in_bfloat16(local_model("tiny:sd3"), "experts.generator.model.guidance_scale=3.0")
