@@ -4,9 +4,13 @@ refiners, SD3.5-medium, LoRA, bf16; `geneval`, `pickscore`, `ocr`: the same expe
 with its reward model in a pool; they must be in the Hugging Face cache or reachable, and the
 real-task presets need Flow-GRPO's prompt files) or, with --tiny, tiny random models built here (no
 download), on the GPU all the same: for a real-task preset, `prompts-tiny`'s task, data and every
-reward term, placed as the preset places them. Prints where each actor's models live, each step's
+reward term, placed as the preset places them. With --family, a generator family's preset (`sd3`,
+`flux1`, `flux2-klein`, `qwen-image`): its real model and Flow-GRPO's prompt files, or with --tiny
+that family's tiny random pipeline (`tiny:<family>`) under the preset's sampler and loss settings, in
+`prompts-tiny`'s task. Prints where each actor's models live, each step's
 metrics (and an evaluation), and writes the run's report.
-Usage: python bench/gpu_smoke.py [--preset gpu|geneval|pickscore|ocr] [--tiny] [--collective] [--run-dir DIR]
+Usage: python bench/gpu_smoke.py [--preset gpu|geneval|pickscore|ocr | --family sd3|flux1|flux2-klein|qwen-image]
+                                 [--tiny] [--collective] [--run-dir DIR]
 """
 from __future__ import annotations
 
@@ -50,9 +54,28 @@ def tiny_task_overrides(preset: str) -> list[str]:
     return shares
 
 
+TINY_FAMILY = {"sd3": "tiny:sd3", "flux1": "tiny:flux1", "flux2-klein": "tiny:flux2_klein", "qwen-image": "tiny:qwen_image"}
+PRESET_GENERATOR_KEYS = ("sample_steps", "sde_window", "noise_level", "clip_eps", "kl_beta", "kl_form",
+                         "train_final_step", "same_initial_noise", "train_cfg", "micro_batch")
+
+
+def tiny_family_overrides(family: str) -> list[str]:
+    """`prompts-tiny` with the family's tiny pipeline as generator, carrying the family preset's
+    guidance, sampler and loss settings (the GPU shares as `prompts-tiny` on a real-task preset)."""
+    from driver.config import resolve_config
+    g = resolve_config(family).experts.generator
+    m = g.model
+    model = (f"{{kind: diffusers_flow, path: '{TINY_FAMILY[family]}', dtype: bfloat16, guidance_scale: {m.guidance_scale}, "
+             f"embedded_guidance: {m.embedded_guidance}, max_sequence_length: 16, lora: {{r: 4, alpha: 8}}}}")
+    values = [f"experts.generator.{k}={json.dumps(getattr(g, k))}" for k in PRESET_GENERATOR_KEYS]
+    return [f"experts.generator.model={model}", *values, f"algorithm.adv_std={resolve_config(family).algorithm.adv_std}",
+            *tiny_task_overrides("geneval")]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="gpu", choices=("gpu", "geneval", "pickscore", "ocr"))
+    p.add_argument("--family", choices=tuple(TINY_FAMILY), help="a generator family's preset (replaces --preset)")
     p.add_argument("--tiny", action="store_true", help="tiny random HF models instead of the preset's")
     p.add_argument("--collective", action="store_true", help="weight sync by NCCL broadcast")
     p.add_argument("--run-dir", default=f"runs/gpu-smoke-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -62,11 +85,15 @@ def main() -> int:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = ["trainer.steps=2", "logging.images_every=1", "logging.tensorboard=true"]
-    real_task = args.preset != "gpu"
-    if args.tiny:
-        overrides += tiny_task_overrides(args.preset) if real_task else tiny_overrides(run_dir / "models")
+    preset = args.family or args.preset
+    real_task = preset != "gpu"
+    if args.tiny and args.family:
+        overrides += tiny_family_overrides(args.family)
+    elif args.tiny:
+        overrides += tiny_task_overrides(preset) if real_task else tiny_overrides(run_dir / "models")
     overrides += ["cluster.sync=collective", "cluster.collective_backend=nccl"] if args.collective else []
-    cfg = load_config("prompts-tiny" if args.tiny and real_task else args.preset, overrides)
+    cfg = load_config("prompts-tiny" if args.tiny and real_task else preset, overrides)
+    print(f"generator: {cfg.experts.generator.model.path}", flush=True)
     cfg.trainer.run_name = run_dir.resolve().name
     ray.init(address="local", include_dashboard=False, namespace="jointrl")
     start = time.perf_counter()
