@@ -34,9 +34,11 @@ def kl3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: float, kl_beta: float):
+def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: float, kl_beta: float,
+                 tokens: float | None = None):
     """Per token PPO-clip(r, A) + beta KL3 with r = exp(logp - logp_rollout), averaged over all valid
-    tokens. On-policy (`cluster.max_staleness=0`) r = 1 to float rounding, so the gradient is that
+    tokens (`tokens`: the count to divide by, if not this batch's own, as for one rank's share of a
+    step's batch). On-policy (`cluster.max_staleness=0`) r = 1 to float rounding, so the gradient is that
     of rho = exp(logp - sg(logp)), GRPO's single-update case; samples made by an older version are
     corrected by r."""
     logp = policy.token_logprobs(batch["prompts"], batch["tokens"], batch["mask"])
@@ -48,7 +50,7 @@ def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: fl
             ref_logp = reference.token_logprobs(batch["prompts"], batch["tokens"], batch["mask"])
         kl = kl3(logp, ref_logp)
         per_token = per_token + kl_beta * kl
-    n = mask.sum().clamp(min=1.0)
+    n = mask.sum().clamp(min=1.0) if tokens is None else max(tokens, 1.0)
     loss = (per_token * mask).sum() / n
     return loss, {"kl": float((kl.detach() * mask).sum() / n), "ratio_mean": float((ratio.detach() * mask).sum() / n)}
 
@@ -77,11 +79,11 @@ def trained_steps(sde: torch.Tensor, train_final_step: bool) -> torch.Tensor:
     return steps if train_final_step else steps[steps != len(sde) - 1]
 
 
-def transition_chunks(n_samples: int, steps: torch.Tensor, micro_batch: int | None) -> list[tuple]:
-    """Every (sample, step) transition to train, ordered by step then sample, in chunks of
-    `micro_batch` (None: one step of every sample per chunk): [(sample indices, step indices)]."""
-    rows, cols = torch.arange(n_samples).repeat(len(steps)), steps.repeat_interleave(n_samples)
-    size = micro_batch or n_samples
+def transition_chunks(samples: torch.Tensor, steps: torch.Tensor, micro_batch: int | None) -> list[tuple]:
+    """Every (sample, step) transition of `samples` to train, ordered by step then sample, in chunks
+    of `micro_batch` (None: one step of every sample per chunk): [(sample indices, step indices)]."""
+    rows, cols = samples.repeat(len(steps)), steps.repeat_interleave(len(samples))
+    size = micro_batch or len(samples)
     return [(rows[i:i + size], cols[i:i + size]) for i in range(0, len(rows), size)]
 
 
@@ -114,12 +116,15 @@ def transition_losses(policy, reference, batch: dict, adv: torch.Tensor, rows, c
     return losses, kl.detach(), ratio.detach()
 
 
-def generator_backward(policy, reference, batch: dict, adv: torch.Tensor, obj: GeneratorObjective):
+def generator_backward(policy, reference, batch: dict, adv: torch.Tensor, obj: GeneratorObjective,
+                       samples: torch.Tensor | None = None):
     """Backpropagate the mean over trained transitions of `transition_losses`, one chunk at a time
-    (the gradient is the full batch's, to float rounding); returns (loss, stats)."""
+    (the gradient is the full batch's, to float rounding); returns (loss, stats). `samples`: only
+    these samples' transitions, still divided by the whole batch's count (one rank's share)."""
     steps = trained_steps(batch["sde"], obj.train_final_step)
-    chunks = transition_chunks(batch["states"].shape[0], steps, obj.micro_batch)
-    n = sum(len(rows) for rows, _ in chunks)
+    n_samples = batch["states"].shape[0]
+    chunks = transition_chunks(torch.arange(n_samples) if samples is None else samples, steps, obj.micro_batch)
+    n = len(steps) * n_samples
     loss, kl, ratio = 0.0, 0.0, 0.0
     for rows, cols in chunks:
         losses, kls, ratios = transition_losses(policy, reference, batch, adv, rows, cols, obj)

@@ -1,13 +1,16 @@
-"""`ExpertActor`: an expert (experts/expert.py) as a Ray actor.
+"""`ExpertActor`: an expert (experts/expert.py) as a Ray actor, or one rank of it.
 
-The shell adds what only an actor has: the device Ray gave it, the node it runs on, and its place
-in the broadcast group (`cluster.sync=collective`). In a Ray actor its weights leave as views, which
-Ray copies into the object store once as the method returns; in-process (inline) they are copied,
-or a later update would change a snapshot already taken.
+The shell adds what only an actor has: the device Ray gave it, the node it runs on, its place in
+the broadcast group (`cluster.sync=collective`) and, for an expert of several ranks, the leader's
+rendezvous of their process group (cluster/expert_gang.py). In a Ray actor its weights leave as
+views, which Ray copies into the object store once as the method returns; in-process (inline)
+they are copied, or a later update would change a snapshot already taken.
 """
 from __future__ import annotations
 
+import ray
 import torch
+import torch.distributed as dist
 
 from cluster.collective import BroadcastMember
 from cluster.recovery import in_ray_actor, this_node
@@ -19,8 +22,19 @@ from experts.weights import synced_state, travel_form
 class ExpertActor(Expert, BroadcastMember):
     def __init__(self, config, expert_id: str):
         torch.set_num_threads(1)
-        super().__init__(config, expert_id, actor_device(config.expert(expert_id).resources),
-                         private=not in_ray_actor())
+        spec = config.expert(expert_id)
+        device = actor_device(spec.resources)
+        sharded = spec.parallel.ranks > 1 and spec.parallel.strategy == "fsdp"
+        # a sharded expert's model stays on the CPU until it is sharded onto the device
+        super().__init__(config, expert_id, torch.device("cpu") if sharded else device, private=not in_ray_actor())
+        self.device = device
+        self.rendezvous: dist.TCPStore | None = None
+
+    def open_gang(self) -> tuple[str, int]:
+        """Host a new rendezvous for the expert's ranks (the leader does): its (host, port)."""
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self.rendezvous = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return host, self.rendezvous.port
 
     def send_weights(self, version: int) -> None:
         """Broadcast this expert's weights, at `version`, into every rollout worker (`cluster.sync=collective`)."""

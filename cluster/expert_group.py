@@ -4,8 +4,10 @@ driver's custody, each update applied exactly once, each new version published t
 After every update the group keeps each expert's snapshot (weights, optimizer state, info) as
 ObjectRefs it owns, on the driver's node. A killed expert is restarted by Ray, restored from its
 last snapshot and given the step's update again; an update names the version it starts from, so a
-restarted instance refuses instead of silently starting over. A killed weight-sync actor or worker
-during a publish is survived by delivering every published version again.
+restarted instance refuses instead of silently starting over. An expert of several ranks is driven
+as one through its gang (cluster/expert_gang.py): any of its ranks killed, the whole gang is formed
+again and restored. A killed weight-sync actor or worker during a publish is survived by delivering
+every published version again.
 """
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from ray.exceptions import ObjectLostError
 
 from algorithm.credit import Advantages
 from cluster.expert_actor import ExpertActor
+from cluster.expert_gang import ExpertGang
 from cluster.recovery import FaultCounts, RolloutLost, SnapshotLost, keep_here, survive
 from cluster.runtime import Runtime, get
 from cluster.weight_sync import SyncResult, WeightSyncActor
-from experts.expert import StaleExpert
+from experts.expert import GangBroken, StaleExpert
 from experts.kinds import expert_kind
 from experts.records import Release, Snapshot
 
@@ -30,8 +33,8 @@ class ExpertGroup:
         self.config, self.faults = config, faults
         self.ids = config.experts.ids()
         self.kinds = {e: expert_kind(config, e) for e in self.ids}
-        self.handles = {e: runtime.spawn_member(expert_cls, config, e, name=f"expert/{e}",
-                                                resources=config.expert(e).resources) for e in self.ids}
+        self.gangs = {e: ExpertGang(config, runtime, e, expert_cls) for e in self.ids}
+        self.handles = {e: gang.leader for e, gang in self.gangs.items()}
         collective = config.cluster.sync == "collective" and config.cluster.mode == "ray"
         self.sync = runtime.spawn_member(
             WeightSyncActor, workers, self.handles if collective else None,
@@ -47,21 +50,25 @@ class ExpertGroup:
     def first_snapshot(self, e: str, state: tuple | None) -> Snapshot:
         """Expert `e`'s starting snapshot, once it holds `state` if given. An expert killed
         meanwhile restarts as its config builds it, and is restored again."""
-        expert = self.handles[e]
+        gang = self.gangs[e]
 
         def attempt(first):
             if state:
-                get(expert.restore.remote(*state))
+                gang.restore(*state)
+            else:
+                gang.start()
             return self.take_snapshot(e)
-        snapshot, faults = survive(attempt, lambda: get(expert.info.remote()), self.config.cluster.max_restarts,
-                                   lost=(SnapshotLost,))
+        snapshot, faults = survive(attempt, gang.wait_alive, self.config.cluster.max_restarts,
+                                   lost=(SnapshotLost, GangBroken))
         self.faults.expert_restarts += faults
         return snapshot
 
     def take_snapshot(self, e: str) -> Snapshot:
         """Expert `e`'s snapshot now, kept on the driver's node."""
         self.nodes[e] = get(self.handles[e].node.remote())
-        snapshot = Snapshot(*keep_here(self.handles[e].snapshot.options(num_returns=3).remote(), self.nodes[e]))
+        made, others = self.gangs[e].snapshot()
+        get(others)
+        snapshot = Snapshot(*keep_here(made, self.nodes[e]))
         get(snapshot.info)
         return snapshot
 
@@ -110,25 +117,32 @@ class ExpertGroup:
         show this step's version."""
         def submit(e):
             inputs = self.kinds[e].update_inputs(advantages, rollout.refined, rollout.outputs)
-            return (self.handles[e].update.remote(step, self.versions[e], *inputs),
-                    Snapshot(*self.handles[e].snapshot.options(num_returns=3).remote()))
+            return self.gangs[e].update(step, self.versions[e], *inputs), *self.gangs[e].snapshot()
+
+        def restore(e):
+            get(self.handles[e].info.remote())  # raises while Ray restarts it
+            self.gangs[e].restore(*self.snapshots[e])
+            self.nodes[e] = get(self.handles[e].node.remote())
+        for e in due:  # a gang with a restarted rank is made whole before anything is asked of it
+            _, faults = survive(lambda first, e=e: self.gangs[e].check(), lambda e=e: restore(e),
+                                self.config.cluster.max_restarts, lost=(GangBroken,))
+            self.faults.expert_restarts += faults
         calls = {e: submit(e) for e in due}
         for e in due:
             def attempt(first, e=e):
                 if not first:
                     calls[e] = submit(e)
+                updates, snapshot, others = calls[e]
                 try:
-                    result, info = get(calls[e][0]), get(calls[e][1].info)
+                    result, info = get(updates)[0], get(snapshot.info)
+                    get(others)
                 except ObjectLostError as lost:
                     raise RolloutLost(f"step {step}: {e}'s update lost its inputs ({type(lost).__name__})") from lost
                 if (info.version, info.last_step) != (self.versions[e] + 1, step):
                     raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
-                return result, Snapshot(*keep_here(calls[e][1], self.nodes[e]))
-
-            def restore(e=e, previous=self.snapshots[e]):
-                get(self.handles[e].restore.remote(*previous))
-                self.nodes[e] = get(self.handles[e].node.remote())
-            (stats[e], self.snapshots[e]), faults = survive(attempt, restore, self.config.cluster.max_restarts,
+                return result, Snapshot(*keep_here(snapshot, self.nodes[e]))
+            (stats[e], self.snapshots[e]), faults = survive(attempt, lambda e=e: restore(e),
+                                                            self.config.cluster.max_restarts,
                                                             lost=(StaleExpert, SnapshotLost))
             self.faults.expert_restarts += faults
             self.versions[e] = stats[e]["version"]
@@ -146,4 +160,4 @@ class ExpertGroup:
                 "registry": get(self.sync.registrations.remote())}
 
     def actors(self) -> list:
-        return [*self.handles.values(), self.sync]
+        return [*[a for gang in self.gangs.values() for a in gang.actors()], self.sync]

@@ -13,6 +13,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.expert_gang import rank_name
+
 
 class PlacementError(RuntimeError):
     """The cluster could not hold the run's actors in time; names what is missing."""
@@ -26,7 +28,8 @@ def bundle(resources) -> dict[str, float]:
 
 def demand(config) -> dict[str, dict[str, dict[str, float]]]:
     """Group name -> actor name -> its bundle, for the actors that reserve anything."""
-    experts = {f"expert/{e}": bundle(config.expert(e).resources) for e in config.experts.ids()}
+    experts = {rank_name(e, r): bundle(config.expert(e).resources)
+               for e in config.experts.ids() for r in range(config.expert(e).parallel.ranks)}
     workers = {f"rollout/{j}": bundle(config.cluster.rollout_resources)
                for j in range(config.cluster.rollout_workers)}
     rewards = {f"reward/{term}/{k}": bundle(resources)

@@ -313,6 +313,24 @@ class Config(Strict):
             raise ValueError("task.image_size must be a multiple of experts.generator.model.patch")
         return self
 
+    @model_validator(mode="after")
+    def _gangs(self):
+        """An expert of several ranks needs a sample per rank each step, and its own process group."""
+        for eid, spec in self.experts.sections().items():
+            ranks = spec.parallel.ranks
+            if ranks == 1:
+                continue
+            skipped = self.algorithm.num_skip_refinement if isinstance(spec, RefinerConfig) else 0
+            samples = self.trainer.prompts_per_step * (self.algorithm.group_size - skipped)
+            if ranks > samples:
+                raise ValueError(f"experts.{eid}.parallel.ranks={ranks} is more than the {samples} samples {eid} "
+                                 f"learns from each step (trainer.prompts_per_step x (algorithm.group_size"
+                                 f"{' - algorithm.num_skip_refinement' if skipped else ''})): every rank needs a share")
+            if self.cluster.sync == "collective":
+                raise ValueError(f"experts.{eid}.parallel.ranks={ranks} with cluster.sync=collective: an expert of "
+                                 f"several ranks publishes through the object store (cluster.sync=object_store)")
+        return self
+
     def owners(self) -> dict[str, list[str]]:
         """Reward term -> the refiners that own it."""
         out: dict[str, list[str]] = {}

@@ -44,12 +44,16 @@ class ExpertKind:
         """The model at version 0: seeded, then from `init` unless `fresh`."""
         return seeded_model(self.config, self.expert_id, self.fresh_model, None if fresh else self.spec.init)
 
-    def loss(self, model, reference, batch: dict, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def loss(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None):
+        """(the loss, its stats); `rows`: only these samples' part of the whole batch's loss."""
         raise NotImplementedError
 
-    def backward(self, model, reference, batch: dict, adv: torch.Tensor) -> tuple[float, dict]:
-        """Accumulate the loss's gradient into the trainable parameters; (its value, its stats). A
-        kind whose update would not fit in memory at once overrides this to go in parts."""
-        loss, stats = self.loss(model, reference, batch, adv)
+    def backward(self, model, reference, batch: dict, adv: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> tuple[float, dict]:
+        """Accumulate the loss's gradient into the trainable parameters; (its value, its stats).
+        `rows`: only these samples' part of it, divided by the whole batch's count (one rank's
+        share: experts/parallel.py). A kind whose update would not fit in memory at once overrides
+        this to go in parts."""
+        loss, stats = self.loss(model, reference, batch, adv, rows)
         loss.backward()
         return float(loss.detach()), stats

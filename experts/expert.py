@@ -3,23 +3,40 @@
 Its version is 0 at start and +1 per applied update. `update` is idempotent by step, so a retried
 call never applies an update twice, and refuses to start from a version it does not hold, so a
 restarted instance is restored first instead of silently starting over. What the update computes
-(model, batch merging, loss) is the expert's kind's (experts/kinds.py).
+(model, batch merging, loss) is the expert's kind's (experts/kinds.py). An expert of several ranks
+(`parallel.ranks` > 1) is one such object per process, joined into one process group
+(`join_gang`): each computes its share of the update and only the leader (rank 0) hands out
+weights and snapshots, whole (experts/parallel.py).
 """
 from __future__ import annotations
 
 import copy
 import math
+from contextlib import contextmanager
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from experts import parallel
 from experts.kinds import expert_kind
+from experts.parallel import Gang, GangSpec
 from experts.records import ExpertInfo, Snapshot
-from experts.weights import fingerprint, load, model_tensors, reference_of, to_arrays
+from experts.weights import arrays_of, fingerprint, is_lora, load, model_tensors, reference_of, synced_state
 
 
 class StaleExpert(RuntimeError):
     """An expert asked to update from a version it does not hold (it restarted and lost its state)."""
+
+
+class GangBroken(StaleExpert):
+    """A rank of a several-rank expert lost a peer during a collective (or its process group is
+    not the gang's current one): the gang is formed again and restored before the call is retried."""
+
+
+def collective_failed(error: BaseException) -> bool:
+    """Whether `error` is torch.distributed's word that a peer is gone (gloo raises plain RuntimeErrors)."""
+    return isinstance(error, dist.DistError) or any(w in str(error) for w in ("gloo", "NCCL", "Connection closed"))
 
 
 class Expert:
@@ -29,34 +46,82 @@ class Expert:
         self.expert_id, self.config, self.device, self.private = expert_id, config, device, private
         self.kind = expert_kind(config, expert_id)
         self.spec = self.kind.spec
-        self.model = self.kind.build_model().to(device)
-        self.reference = reference_of(self.model)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # all, or a LoRA adapter's
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=self.spec.lr)
+        self.gang: Gang | None = None
+        self.build(self.kind.build_model().to(device))
         self.version = 0
         self.last_step, self.last_stats = -1, {}
 
-    def weights(self) -> dict[str, np.ndarray]:
-        """This version's weights as numpy arrays (experts/weights.py)."""
-        return to_arrays(self.model, private=self.private)
+    def build(self, model: torch.nn.Module, reference=None) -> None:
+        """Take `model` as this expert's, with its frozen reference (`reference_of` it unless
+        given) and a fresh optimizer."""
+        if self.spec.parallel.activation_checkpointing:
+            parallel.checkpoint_activations(model)
+        self.model, self.reference = model, reference or reference_of(model)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # all, or a LoRA adapter's
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=self.spec.lr)
+
+    def join_gang(self, spec: GangSpec, rank: int) -> int:
+        """Become rank `rank` of the expert's process group `spec` (leaving an older one). Under
+        fsdp the model is sharded over it (built again from the config if it was sharded over an
+        older group); a restore follows, so the state here may start over."""
+        strategy = self.spec.parallel.strategy
+        parallel.join(spec, rank)
+        if strategy == "fsdp":
+            model = self.kind.build_model() if self.gang else self.model.cpu()
+            reference = reference_of(model)
+            if not is_lora(model):  # the frozen copy is sharded too
+                parallel.shard(reference, self.device)
+            self.build(parallel.shard(model, self.device), reference)
+        self.gang = Gang(rank, spec.ranks, strategy, spec.generation)
+        return spec.generation
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this process holds shards of the expert (fsdp), not all of it."""
+        return self.gang is not None and self.gang.strategy == "fsdp"
+
+    def gang_generation(self) -> int | None:
+        """The generation of the process group this process is in: None in a new (restarted) process."""
+        return self.gang.generation if self.gang else None
+
+    def weights(self) -> dict[str, np.ndarray] | None:
+        """This version's weights as numpy arrays (experts/weights.py), whole; None on a rank
+        other than the leader (which still takes part in gathering them)."""
+        state = parallel.gathered(synced_state(self.model)) if self.sharded else synced_state(self.model)
+        return arrays_of(state, self.private) if self.gang is None or self.gang.leader else None
 
     def info(self) -> ExpertInfo:
         return ExpertInfo(self.version, self.last_step)
 
+    @contextmanager
+    def among_peers(self, what: str):
+        """Say a collective that failed because a peer is gone as GangBroken."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.gang and not isinstance(e, StaleExpert) and collective_failed(e):
+                raise GangBroken(f"{self.expert_id} rank {self.gang.rank}: {what} lost a peer ({e})") from e
+            raise
+
     def snapshot(self) -> Snapshot:
         """Everything that restores this expert exactly, with the weights' fingerprint (every worker
         checks it)."""
-        weights = self.weights()
-        optimizer = self.optimizer.state_dict()
+        with self.among_peers("a snapshot"):
+            weights = self.weights()
+            optimizer = parallel.whole_optimizer_state(self.optimizer) if self.sharded else self.optimizer.state_dict()
+        if weights is None:  # not the leader
+            return Snapshot(None, None, self.info())
         return Snapshot(weights, copy.deepcopy(optimizer) if self.private else optimizer,
                         ExpertInfo(self.version, self.last_step, fingerprint(weights)))
 
     def restore(self, weights: dict, optimizer: dict | None, info: ExpertInfo) -> ExpertInfo:
         """Back to a snapshot or checkpoint: weights, optimizer moments, version and last applied
         step. The frozen reference is rebuilt from the config, as it was at the start."""
-        load(self.model, model_tensors(self.model, weights))
+        tensors = model_tensors(self.model, weights)
+        load(self.model, parallel.sharded_like(tensors, synced_state(self.model)) if self.sharded else tensors)
         if optimizer is not None:
-            self.optimizer.load_state_dict(optimizer)
+            self.optimizer.load_state_dict(parallel.sharded_optimizer_state(optimizer, self.trainable)
+                                           if self.sharded else optimizer)
         self.version, self.last_step, self.last_stats = info.version, info.last_step, {}
         return self.info()
 
@@ -67,7 +132,8 @@ class Expert:
             return self.last_stats
         if version != self.version:
             raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to update from {version}")
-        stats = self.apply(step, advantages, shards)
+        with self.among_peers(f"step {step}'s update"):
+            stats = self.apply(step, advantages, shards)
         self.version += 1
         self.last_step = step
         self.last_stats = {**stats, "version": self.version}
@@ -75,12 +141,18 @@ class Expert:
 
     def apply(self, step: int, advantages: np.ndarray, shards: tuple[dict, ...]) -> dict:
         """The optimizer step itself: the kind's loss on the shards, its gradient, one clipped step;
-        its stats. A non-finite loss leaves the weights as they were."""
+        its stats. A non-finite loss leaves the weights as they were. In a gang each rank takes its
+        share of the samples; their gradients and stats are summed across ranks."""
         adv = torch.tensor(np.asarray(advantages), dtype=torch.float32, device=self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        rows = self.gang.rows(len(adv)) if self.gang else None
         loss, stats = self.kind.backward(self.model, self.reference,
-                                         self.kind.merge(self.model, list(shards), self.device), adv)
+                                         self.kind.merge(self.model, list(shards), self.device), adv, rows)
+        if self.gang:
+            loss, stats = parallel.sum_stats(loss, stats)
+            if self.gang.strategy == "ddp":
+                parallel.sum_gradients(self.trainable)
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"{self.expert_id}: non-finite loss at step {step}; update not applied")

@@ -18,7 +18,7 @@ from experts.build import ExpertKind
 from experts.devices import to_device
 from experts.flow_family import NEGATIVE
 from experts.seeding import derive_seed
-from experts.spec import LoraConfig, Resources, Strict, default_kind
+from experts.spec import LoraConfig, ParallelConfig, Resources, Strict, default_kind
 
 
 class TinyDiTConfig(Strict):
@@ -85,7 +85,9 @@ class GeneratorConfig(Strict):
                                                               "grows with it, not with the trained steps")
     init: str | None = Field(None, description="a safetensors checkpoint to start from (a base from `jointrl "
                                                "pretrain`); None: the model's own initial weights")
-    resources: Resources = Field(Resources(), description="what this expert's actor reserves from Ray")
+    resources: Resources = Field(Resources(), description="what this expert's actor (each rank's) reserves from Ray")
+    parallel: ParallelConfig = Field(ParallelConfig(), description="the expert across several processes: ranks "
+                                                                   "and strategy (ddp, fsdp)")
     model: Annotated[TinyDiTConfig | DiffusersFlowConfig, Field(discriminator="kind")] = Field(
         TinyDiTConfig(), description="the generator's model, by `kind`; a section without kind is tiny_dit")
 
@@ -130,7 +132,7 @@ class GeneratorKind(ExpertKind):
                                                           for s in shards]),
                           "sigmas": torch.tensor(shards[0]["sigmas"]), "sde": torch.tensor(shards[0]["sde"])}, device)
 
-    def backward(self, model, reference, batch: dict, adv: torch.Tensor) -> tuple[float, dict]:
+    def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None):
         s = self.spec
         return generator_backward(model, reference, batch, adv, GeneratorObjective(
-            s.noise_level, s.clip_eps, s.kl_beta, s.kl_form, s.train_final_step, s.micro_batch))
+            s.noise_level, s.clip_eps, s.kl_beta, s.kl_form, s.train_final_step, s.micro_batch), rows)

@@ -16,7 +16,7 @@ from algorithm.losses import refiner_loss
 from experts.build import ExpertKind
 from experts.devices import to_device
 from experts.seeding import derive_seed
-from experts.spec import LoraConfig, Resources, Strict, default_kind
+from experts.spec import LoraConfig, ParallelConfig, Resources, Strict, default_kind
 
 
 class TinyLMConfig(Strict):
@@ -57,7 +57,9 @@ class RefinerConfig(Strict):
     temperature: PositiveFloat = Field(1.0, description="sampling temperature of the refinement tokens")
     init: str | None = Field(None, description="a safetensors checkpoint to start from (`jointrl pretrain` "
                                                "writes one); None: the model's own initial weights")
-    resources: Resources = Field(Resources(), description="what this expert's actor reserves from Ray")
+    resources: Resources = Field(Resources(), description="what this expert's actor (each rank's) reserves from Ray")
+    parallel: ParallelConfig = Field(ParallelConfig(), description="the expert across several processes: ranks "
+                                                                   "and strategy (ddp, fsdp)")
     model: Annotated[TinyLMConfig | HFCausalLMConfig, Field(discriminator="kind")] = Field(
         TinyLMConfig(), description="the refiner's model, by `kind`; a section without kind is tiny_lm")
 
@@ -89,5 +91,10 @@ class RefinerKind(ExpertKind):
                           **{k: torch.cat([torch.tensor(s[k]) for s in parts]) for k in ("tokens", "logps", "mask")}},
                          device)
 
-    def loss(self, model, reference, batch: dict, adv: torch.Tensor):
-        return refiner_loss(model, reference, batch, adv, self.spec.clip_eps, self.spec.kl_beta)
+    def loss(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None):
+        if rows is None:
+            return refiner_loss(model, reference, batch, adv, self.spec.clip_eps, self.spec.kl_beta)
+        share = {"prompts": [batch["prompts"][i] for i in rows.tolist()],
+                 **{k: batch[k][rows.to(batch[k].device)] for k in ("tokens", "logps", "mask")}}
+        return refiner_loss(model, reference, share, adv[rows.to(adv.device)], self.spec.clip_eps, self.spec.kl_beta,
+                            tokens=float(batch["mask"].sum()))

@@ -6,6 +6,8 @@ values themselves (files, models and packages are checked by driver/preflight.py
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 
@@ -24,6 +26,17 @@ class Resources(Strict):
 
     def options(self) -> dict:
         return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.custom)}
+
+
+class ParallelConfig(Strict):
+    """One expert on several processes (experts/parallel.py): M rank actors, one version."""
+    ranks: PositiveInt = Field(1, description="processes (each with the expert's `resources`) the expert trains "
+                                              "on; each computes the loss of its share of the step's samples")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: every rank holds the whole model, gradients "
+                                                                 "summed across ranks; fsdp: parameters, gradients "
+                                                                 "and optimizer state sharded across ranks (FSDP2)")
+    activation_checkpointing: bool = Field(False, description="recompute each transformer block's activations in "
+                                                              "the backward pass: less memory, more time")
 
 
 class LoraConfig(Strict):

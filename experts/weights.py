@@ -62,7 +62,12 @@ def to_arrays(model: torch.nn.Module, private: bool = False) -> dict[str, np.nda
     """The model's version as numpy arrays: views of its tensors on the CPU (Ray copies them into
     the object store as an actor method returns), private copies if `private` (in-process, where a
     later update would change a snapshot already taken)."""
-    arrays = {k: v.cpu().numpy() for k, v in travel_form(synced_state(model)).items()}
+    return arrays_of(synced_state(model), private)
+
+
+def arrays_of(tensors: dict[str, torch.Tensor], private: bool = False) -> dict[str, np.ndarray]:
+    """A version's tensors as numpy arrays, as `to_arrays` gives them."""
+    arrays = {k: v.cpu().numpy() for k, v in travel_form(tensors).items()}
     return {k: v.copy() for k, v in arrays.items()} if private else arrays
 
 

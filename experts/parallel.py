@@ -1,0 +1,151 @@
+"""One expert on several processes (`experts.<id>.parallel`): its ranks' shares of a step's samples,
+their gradients combined, FSDP2 sharding, and the expert's whole state gathered from the shards.
+
+Convention: rank r of M computes the loss of its contiguous share of the step's samples,
+normalised by the count of the whole batch (valid tokens for a refiner, trained transitions for
+the generator), so the ranks' losses add up to the one-process loss and their gradients, summed
+across ranks, are its gradient (to float rounding); stats add up the same way. `ddp` keeps the
+whole model on every rank and sums gradients with one all-reduce after the backward passes;
+`fsdp` shards parameters, gradients and optimizer state with FSDP2's `fully_shard` (per block,
+then the rest), whose reduce-scatter is set to sum. Everything that leaves an expert (weights,
+snapshots) is whole, gathered one tensor at a time, so a snapshot restores on any number of ranks.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+FORWARD_METHODS = ("token_logprobs",)  # model methods other than forward that the losses call
+
+
+@dataclass(frozen=True)
+class GangSpec:
+    """Everything a rank needs to join generation `generation` of its expert's process group."""
+    host: str
+    port: int
+    generation: int
+    ranks: int
+    backend: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Gang:
+    """This process's place in its expert's process group."""
+    rank: int
+    ranks: int
+    strategy: str
+    generation: int
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The indices of this rank's share of `n` samples (contiguous; shares differ by at most one)."""
+        return torch.tensor_split(torch.arange(n), self.ranks)[self.rank]
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def join(spec: GangSpec, rank: int) -> None:
+    """Make this process rank `rank` of the spec's process group, leaving any older one first."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store = dist.PrefixStore(f"gang-{spec.generation}",
+                             dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timeout))
+    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.ranks, timeout=timeout)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the members of every ModuleList of modules with parameters,
+    outermost lists only (a transformer's layers). FSDP shards each on its own and activation
+    checkpointing recomputes each."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, nn.ModuleList) and any(True for m in module for _ in m.parameters()):
+            found += [m for m in module if any(True for _ in m.parameters())]
+            inside |= {id(sub) for m in module for sub in m.modules()}
+    return found
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Recompute each block's activations in the backward pass instead of keeping them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    units = {id(b) for b in blocks(model)}
+    apply_activation_checkpointing(model, check_fn=lambda m: id(m) in units)
+
+
+def shard(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model` sharded in place over the process group with FSDP2: each block, then the rest; its
+    gradients summed, not averaged, across ranks (the convention above)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_gradient_divide_factor(1.0)
+    model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    for name in FORWARD_METHODS:
+        if hasattr(model, name):
+            register_fsdp_forward_method(model, name)
+    return model
+
+
+def sum_gradients(params: list[nn.Parameter]) -> None:
+    """`ddp`: every rank's gradients replaced by their sum over ranks, in one all-reduce."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+        offset += g.numel()
+
+
+def sum_stats(loss: float, stats: dict) -> tuple[float, dict]:
+    """The step's loss and stats from every rank's share of them (one all-reduce)."""
+    keys = sorted(stats)
+    values = torch.tensor([loss, *[float(stats[k]) for k in keys]], dtype=torch.float64)
+    dist.all_reduce(values)
+    return float(values[0]), dict(zip(keys, values[1:].tolist()))
+
+
+def gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors on the CPU from sharded ones (a collective: every rank calls it), one at a
+    time so that a device never holds more than one whole tensor; others as they are."""
+    return {k: v.full_tensor().cpu() if isinstance(v, DTensor) else v for k, v in tensors.items()}
+
+
+def sharded_like(whole: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`whole` tensors cut like the DTensors of `own` of the same name (each rank keeps its own
+    shard, no communication); names whose `own` tensor is plain stay whole."""
+    out = {}
+    for k, v in whole.items():
+        mine = own.get(k)
+        out[k] = (distribute_tensor(v.to(mine.device), mine.device_mesh, mine.placements, src_data_rank=None)
+                  if isinstance(mine, DTensor) else v)
+    return out
+
+
+def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state_dict with every sharded moment gathered whole (a collective)."""
+    state = optimizer.state_dict()
+    return {**state, "state": {pid: gathered(entries) for pid, entries in state["state"].items()}}
+
+
+def sharded_optimizer_state(state: dict, params: list[nn.Parameter]) -> dict:
+    """A whole optimizer state_dict (`whole_optimizer_state`'s) cut like the sharded `params` it
+    belongs to (their order is the optimizer's)."""
+    return {**state, "state": {pid: {k: (sharded_like({k: v}, {k: params[int(pid)]})[k]
+                                         if isinstance(v, torch.Tensor) and v.shape == params[int(pid)].shape else v)
+                                     for k, v in entries.items()}
+                               for pid, entries in state["state"].items()}}
