@@ -89,11 +89,10 @@ def shard(model: nn.Module, device: torch.device) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.set_gradient_divide_factor(1.0)
-    model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    for unit in [*blocks(model), model]:
+        fully_shard(unit, mesh=mesh)
+        unit.set_gradient_divide_factor(1.0)  # each unit reduces its own gradients
+        unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     for name in FORWARD_METHODS:
         if hasattr(model, name):
             register_fsdp_forward_method(model, name)
