@@ -14,7 +14,7 @@ from __future__ import annotations
 from cluster.runtime import Runtime, get
 from experts.expert import GangBroken
 from experts.parallel import GangSpec
-from experts.records import Snapshot
+from experts.records import ShardedOptimizer, ShardFiles, Snapshot
 
 
 def rank_name(expert_id: str, rank: int) -> str:
@@ -31,6 +31,7 @@ class ExpertGang:
                                            resources=spec.resources) for r in range(ranks)]
         self.leader = self.ranks[0]
         self.generation = 0
+        self.nodes: list[str | None] = []  # each rank's node, as of the gang's forming
 
     @property
     def several(self) -> bool:
@@ -44,6 +45,7 @@ class ExpertGang:
         backend = "nccl" if self.config.expert(self.expert_id).resources.num_gpus > 0 else "gloo"
         spec = GangSpec(host, port, self.generation, len(self.ranks), backend, self.config.cluster.collective_timeout_s)
         get([r.join_gang.remote(spec, i) for i, r in enumerate(self.ranks)])
+        self.nodes = get([r.node.remote() for r in self.ranks])
 
     def check(self) -> None:
         """Raise GangBroken unless every rank is in the current generation (none restarted since)."""
@@ -60,10 +62,16 @@ class ExpertGang:
             self.wait_alive()
             self.form()
 
-    def restore(self, *state) -> None:
-        """Every rank back to `state` (a snapshot or checkpoint), in a newly formed gang."""
+    @property
+    def sharded(self) -> bool:
+        return self.several and self.config.expert(self.expert_id).parallel.strategy == "fsdp"
+
+    def restore(self, weights, optimizer, info) -> None:
+        """Every rank back to a snapshot (each rank its own optimizer shard, if sharded) or a
+        checkpoint (whole), in a newly formed gang."""
         self.start()
-        get([r.restore.remote(*state) for r in self.ranks])
+        shards = optimizer.shards if isinstance(optimizer, ShardedOptimizer) else [optimizer] * len(self.ranks)
+        get([r.restore.remote(weights, shard, info) for r, shard in zip(self.ranks, shards)])
 
     def update(self, step: int, version: int, *inputs) -> list:
         """Every rank's update call (the leader's first: the expert's stats)."""
@@ -71,9 +79,18 @@ class ExpertGang:
         return [r.update.remote(step, version, *inputs) for r in self.ranks]
 
     def snapshot(self) -> tuple[Snapshot, list]:
-        """(the leader's snapshot as ObjectRefs, the other ranks' calls to await)."""
+        """(the expert's snapshot as ObjectRefs: the leader's weights and info, and if sharded every
+        rank's optimizer shard; the other ranks' calls to await)."""
         calls = [r.snapshot.options(num_returns=3).remote() for r in self.ranks]
-        return Snapshot(*calls[0]), [ref for call in calls[1:] for ref in call]
+        weights, optimizer, info = calls[0]
+        if self.sharded:
+            optimizer = ShardedOptimizer([call[1] for call in calls])
+        return Snapshot(weights, optimizer, info), [call[2] for call in calls[1:]]
+
+    def optimizer_files(self) -> ShardFiles:
+        """A sharded gang's optimizer state as every rank writes it for a checkpoint."""
+        parts = get([r.optimizer_files.remote() for r in self.ranks])
+        return ShardFiles({name: data for part in parts for name, data in part.files.items()}, parts[0].param_groups)
 
     def actors(self) -> list:
         return list(self.ranks)

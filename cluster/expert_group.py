@@ -21,7 +21,7 @@ from cluster.runtime import Runtime, get
 from cluster.weight_sync import SyncResult, WeightSyncActor
 from experts.expert import GangBroken, StaleExpert
 from experts.kinds import expert_kind
-from experts.records import Release, Snapshot
+from experts.records import Release, ShardedOptimizer, Snapshot
 
 
 class ExpertGroup:
@@ -68,9 +68,19 @@ class ExpertGroup:
         self.nodes[e] = get(self.handles[e].node.remote())
         made, others = self.gangs[e].snapshot()
         get(others)
-        snapshot = Snapshot(*keep_here(made, self.nodes[e]))
+        snapshot = self.keep(made, e)
         get(snapshot.info)
         return snapshot
+
+    def keep(self, snapshot: Snapshot, e: str) -> Snapshot:
+        """Snapshot `snapshot` of expert `e`, its data on the driver's node (keep_here); a sharded
+        expert's optimizer shards were made wherever its ranks run."""
+        optimizer = snapshot.optimizer
+        if isinstance(optimizer, ShardedOptimizer):
+            weights, info = keep_here((snapshot.weights, snapshot.info), self.nodes[e])
+            return Snapshot(weights, ShardedOptimizer([keep_here((shard,), node)[0] for shard, node
+                                                       in zip(optimizer.shards, self.gangs[e].nodes)]), info)
+        return Snapshot(*keep_here(snapshot, self.nodes[e]))
 
     def publish(self, expert_ids: list[str]) -> SyncResult:
         """Deliver the latest versions of `expert_ids` to every rollout worker."""
@@ -140,7 +150,7 @@ class ExpertGroup:
                     raise RolloutLost(f"step {step}: {e}'s update lost its inputs ({type(lost).__name__})") from lost
                 if (info.version, info.last_step) != (self.versions[e] + 1, step):
                     raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
-                return result, Snapshot(*keep_here(snapshot, self.nodes[e]))
+                return result, self.keep(snapshot, e)
             (stats[e], self.snapshots[e]), faults = survive(attempt, lambda e=e: restore(e),
                                                             self.config.cluster.max_restarts,
                                                             lost=(StaleExpert, SnapshotLost))
@@ -148,8 +158,12 @@ class ExpertGroup:
             self.versions[e] = stats[e]["version"]
 
     def saved_snapshots(self) -> dict[str, Snapshot]:
-        """Every expert's latest snapshot, fetched (for a checkpoint)."""
-        return {e: Snapshot(*get(list(refs))) for e, refs in self.snapshots.items()}
+        """Every expert's latest snapshot, fetched (for a checkpoint); a sharded expert's optimizer
+        as its ranks write it (they hold that snapshot's state: checkpoints come between steps)."""
+        return {e: Snapshot(get(s.weights),
+                            self.gangs[e].optimizer_files() if isinstance(s.optimizer, ShardedOptimizer)
+                            else get(s.optimizer), get(s.info))
+                for e, s in self.snapshots.items()}
 
     def inspect(self) -> dict:
         """Where every version stands: the experts, their snapshots and the sync registry."""

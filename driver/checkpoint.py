@@ -63,7 +63,7 @@ def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0
             for eid, (version, weights) in older.items():
                 if not (tmp / f"{eid}.v{version}.safetensors").exists():
                     state_file.write(tmp, f"{eid}.v{version}", weights, None, ExpertInfo(version, -1))
-        files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
+        files = {str(p.relative_to(tmp)): sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / "manifest.json").write_text(json.dumps(
             {"step": step, "versions": {e: s.info.version for e, s in snapshots.items()},
              "in_flight": {str(s): {e: v for e, (v, _) in older.items()} for s, older in in_flight.items()},

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from experts import parallel
+from experts import parallel, state_file
 from experts.kinds import expert_kind
 from experts.parallel import Gang, GangSpec
-from experts.records import ExpertInfo, Snapshot
+from experts.records import ExpertInfo, OptimizerShard, ShardFiles, Snapshot
 from experts.weights import arrays_of, fingerprint, is_lora, load, model_tensors, reference_of, synced_state
 
 
@@ -108,22 +108,34 @@ class Expert:
         checks it)."""
         with self.among_peers("a snapshot"):
             weights = self.weights()
-            optimizer = parallel.whole_optimizer_state(self.optimizer) if self.sharded else self.optimizer.state_dict()
+        optimizer = parallel.optimizer_shard(self.optimizer, self.gang) if self.sharded else self.optimizer.state_dict()
         if weights is None:  # not the leader
-            return Snapshot(None, None, self.info())
+            return Snapshot(None, optimizer if self.sharded else None, self.info())
         return Snapshot(weights, copy.deepcopy(optimizer) if self.private else optimizer,
                         ExpertInfo(self.version, self.last_step, fingerprint(weights)))
 
-    def restore(self, weights: dict, optimizer: dict | None, info: ExpertInfo) -> ExpertInfo:
-        """Back to a snapshot or checkpoint: weights, optimizer moments, version and last applied
-        step. The frozen reference is rebuilt from the config, as it was at the start."""
+    def restore(self, weights: dict, optimizer: dict | OptimizerShard | None, info: ExpertInfo) -> ExpertInfo:
+        """Back to a snapshot or checkpoint: weights, optimizer moments (whole, or this rank's shard
+        of a snapshot), version and last applied step. The frozen reference is rebuilt from the
+        config, as it was at the start."""
         tensors = model_tensors(self.model, weights)
         load(self.model, parallel.sharded_like(tensors, synced_state(self.model)) if self.sharded else tensors)
-        if optimizer is not None:
+        if isinstance(optimizer, OptimizerShard):
+            if not self.sharded or (optimizer.rank, optimizer.ranks) != (self.gang.rank, self.gang.ranks):
+                raise ValueError(f"{self.expert_id}: the optimizer shard of rank {optimizer.rank} of {optimizer.ranks} "
+                                 f"restores only that rank of a sharded gang of that size")
+            self.optimizer.load_state_dict(parallel.from_shard(optimizer, self.trainable))
+        elif optimizer is not None:
             self.optimizer.load_state_dict(parallel.sharded_optimizer_state(optimizer, self.trainable)
                                            if self.sharded else optimizer)
         self.version, self.last_step, self.last_stats = info.version, info.last_step, {}
         return self.info()
+
+    def optimizer_files(self) -> ShardFiles:
+        """This rank's shards of the optimizer state as checkpoint files (a collective: every rank
+        of a sharded expert calls it), with the optimizer's hyper-parameters."""
+        with self.among_peers("a checkpoint"):
+            return ShardFiles(state_file.write_shards(self.optimizer), self.optimizer.state_dict()["param_groups"])
 
     def update(self, step: int, version: int, advantages: np.ndarray, *shards: dict) -> dict:
         """One optimizer step on this step's samples, from `version` (the one the driver published);

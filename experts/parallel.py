@@ -7,8 +7,10 @@ the generator), so the ranks' losses add up to the one-process loss and their gr
 across ranks, are its gradient (to float rounding); stats add up the same way. `ddp` keeps the
 whole model on every rank and sums gradients with one all-reduce after the backward passes;
 `fsdp` shards parameters, gradients and optimizer state with FSDP2's `fully_shard` (per block,
-then the rest), whose reduce-scatter is set to sum. Everything that leaves an expert (weights,
-snapshots) is whole, gathered one tensor at a time, so a snapshot restores on any number of ranks.
+then the rest), whose reduce-scatter is set to sum. Weights leave an expert whole (gathered one
+tensor at a time); under fsdp each rank's optimizer state leaves as its own shard (`OptimizerShard`),
+restored on the same rank of a gang of the same size, and written to checkpoints by every rank with
+torch.distributed.checkpoint (experts/state_file.py), from which any number of ranks restores.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from experts.records import OptimizerShard
 
 FORWARD_METHODS = ("token_logprobs",)  # model methods other than forward that the losses call
 
@@ -135,14 +139,27 @@ def sharded_like(whole: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -
     return out
 
 
-def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's state_dict with every sharded moment gathered whole (a collective)."""
+def optimizer_shard(optimizer: torch.optim.Optimizer, gang: Gang) -> OptimizerShard:
+    """This rank's part of the optimizer state: its shards of the moments as plain tensors."""
     state = optimizer.state_dict()
-    return {**state, "state": {pid: gathered(entries) for pid, entries in state["state"].items()}}
+    local = {pid: {k: v.to_local().clone() if isinstance(v, DTensor) else v for k, v in entries.items()}
+             for pid, entries in state["state"].items()}
+    return OptimizerShard(gang.rank, gang.ranks, {**state, "state": local})
+
+
+def from_shard(shard: OptimizerShard, params: list[nn.Parameter]) -> dict:
+    """An `optimizer_shard`'s state as the sharded `params`' optimizer holds it (same rank, same gang size)."""
+    def like(v, p):
+        if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0:
+            return DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        return v
+    state = shard.state
+    return {**state, "state": {pid: {k: like(v, params[int(pid)]) for k, v in entries.items()}
+                               for pid, entries in state["state"].items()}}
 
 
 def sharded_optimizer_state(state: dict, params: list[nn.Parameter]) -> dict:
-    """A whole optimizer state_dict (`whole_optimizer_state`'s) cut like the sharded `params` it
+    """A whole optimizer state_dict (a checkpoint's, or a one-rank expert's) cut like the sharded `params` it
     belongs to (their order is the optimizer's)."""
     return {**state, "state": {pid: {k: (sharded_like({k: v}, {k: params[int(pid)]})[k]
                                          if isinstance(v, torch.Tensor) and v.shape == params[int(pid)].shape else v)

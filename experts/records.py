@@ -27,3 +27,23 @@ class Release(NamedTuple):
     version: int
     weights: Any
     fingerprint: int
+
+
+class OptimizerShard(NamedTuple):
+    """One rank's part of a sharded (fsdp) expert's optimizer state: its shards of the moments."""
+    rank: int
+    ranks: int
+    state: dict
+
+
+class ShardedOptimizer(NamedTuple):
+    """A sharded expert's optimizer state in a snapshot: each rank's OptimizerShard (or a ref to it),
+    in rank order."""
+    shards: list
+
+
+class ShardFiles(NamedTuple):
+    """A sharded expert's optimizer state as every rank wrote it with torch.distributed.checkpoint
+    ({file name: bytes}), with the optimizer's hyper-parameters (its param_groups)."""
+    files: dict
+    param_groups: list

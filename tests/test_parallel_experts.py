@@ -1,10 +1,15 @@
 """An expert across several processes (`experts.<id>.parallel`): two ranks give the one-rank run's
 metrics step for step, by data parallelism (ddp) and by FSDP2 sharding (fsdp), for a refiner and
 for the generator at once, on gloo between two CPU processes."""
+import json
+import shutil
+
 import numpy as np
 import pytest
 
-from tests.conftest import assert_same_training, make_config, run_training
+from driver import cli
+
+from tests.conftest import assert_same_training, make_config, run_killing, run_training
 
 GANG = ("experts.refiner_0.parallel.ranks=2", "experts.generator.parallel.ranks=2")
 
@@ -45,3 +50,96 @@ def test_more_ranks_than_samples_or_a_collective_sync_is_refused_naming_the_key(
     resolve_config("shapes-tiny", ["experts.generator.parallel.ranks=8"])      # 2 prompts x 4
     with pytest.raises(ConfigError, match="cluster.sync=object_store"):
         resolve_config("shapes-tiny", ["experts.generator.parallel.ranks=2", "cluster.sync=collective"])
+
+
+def test_a_rank_killed_mid_run_costs_time_not_correctness(one_rank, ray_session, tmp_path):
+    """Any rank of either gang killed (a follower, then a leader): the gang is formed again and
+    restored, each update applied once, versions rising, metrics those of the one-rank run."""
+    kills = [(1, "expert/generator/rank1"), (2, "expert/refiner_0")]
+    rows, info = run_killing(gang_config("fsdp"), tmp_path, kills)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["faults/expert_restarts"] == 2
+    for e in TRAINED:
+        assert [r[f"version/{e}"] for r in rows] == [1, 2, 3], e
+        assert info["snapshots"][e] == {"version": 3, "last_step": 2}
+    assert_same_training(rows, one_rank[0], tol=1e-5)
+
+
+def test_a_sharded_checkpoint_resumes_on_one_rank_and_on_two_to_the_same_metrics(ray_session, tmp_path):
+    """Under fsdp every rank writes its optimizer shard into the checkpoint (torch.distributed.checkpoint,
+    safetensors), hashed in the manifest; the run resumed from step 2 on one rank (inline) and on two
+    ranks again ends with the uninterrupted run's metrics (from step 1: step 2's metrics show the
+    update made with the restored optimizer state)."""
+    run_dir = tmp_path / "run"
+    rows, _, _ = run_training(gang_config("fsdp", "trainer.checkpoint_every=1"), run_dir)
+    step_1 = run_dir / "checkpoints" / "step_000001"
+    shards = sorted(p.name for p in (step_1 / "generator.optimizer").iterdir())
+    assert len(shards) == 2 and all(n.endswith(".safetensors") for n in shards)
+    assert {f"generator.optimizer/{n}" for n in shards} <= set(json.loads((step_1 / "manifest.json").read_text())["files"])
+    for resume in (["--set", "cluster.mode=inline", *[f"--set={k.replace('=2', '=1')}" for k in GANG]], []):
+        stopped = tmp_path / f"stopped-{len(resume)}"
+        shutil.copytree(run_dir, stopped)
+        for later in ("step_000002", "step_000003"):
+            shutil.rmtree(stopped / "checkpoints" / later)
+        assert cli.main(["train", "--resume", str(stopped), *resume]) == 0
+        resumed = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+        assert_same_training(resumed, rows, tol=1e-5)
+
+
+def test_a_gang_reserves_a_bundle_per_rank_and_one_it_cannot_place_is_named(ray_session, tmp_path):
+    from cluster.placement import PlacementError, demand
+    from driver.launch import start_driver
+    cfg = make_config("experts.generator.parallel.ranks=2", "experts.generator.resources.num_gpus=1",
+                      "cluster.placement_timeout_s=1", "trainer.run_name=unplaceable-gang", preset="shapes-tiny")
+    assert demand(cfg)["actors"] == {"expert/generator": {"GPU": 1.0}, "expert/generator/rank1": {"GPU": 1.0}}
+    with pytest.raises(PlacementError, match=r"expert/generator/rank1 \{'GPU': 1.0\}.*short of \{'GPU': 2.0\}"):
+        start_driver(cfg, tmp_path)
+
+
+def refiner_batch(model, n: int = 6):
+    """A refiner's own samples of `n` prompts, as an update reads them, with advantages."""
+    import torch
+    from tasks.shapes import prompt_set
+    prompts = [list(p.ids) for p in prompt_set(n, seed=2)]
+    tokens, logps, mask = model.sample(prompts, torch.rand(n, model.max_new_tokens, generator=torch.Generator().manual_seed(0)))
+    return {"prompts": prompts, "tokens": tokens, "logps": logps, "mask": mask}, torch.linspace(-1, 1, n)
+
+
+def gradient(expert) -> "torch.Tensor":
+    import torch
+    return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in expert.trainable])
+
+
+def test_the_ranks_shares_of_loss_and_gradient_add_up_to_the_whole_batchs():
+    """The convention every rank computes by: its samples' part, divided by the whole batch's count."""
+    import torch
+    from experts.expert import Expert
+    from experts.parallel import Gang
+    cfg = make_config("experts.refiner_0.kl_beta=0.05", preset="shapes-tiny")
+    expert = Expert(cfg, "refiner_0")
+    batch, adv = refiner_batch(expert.model)
+    whole_loss, whole_stats = expert.kind.backward(expert.model, expert.reference, batch, adv)
+    whole = gradient(expert)
+    parts, part_loss, part_kl = [], 0.0, 0.0
+    for rank in range(3):
+        expert.optimizer.zero_grad(set_to_none=True)
+        loss, stats = expert.kind.backward(expert.model, expert.reference, batch, adv, Gang(rank, 3, "ddp", 1).rows(6))
+        parts.append(gradient(expert))
+        part_loss, part_kl = part_loss + loss, part_kl + stats["kl"]
+    assert abs(part_loss - whole_loss) < 1e-6 and abs(part_kl - whole_stats["kl"]) < 1e-7
+    assert torch.allclose(sum(parts), whole, atol=1e-6)
+
+
+def test_activation_checkpointing_gives_the_same_gradient():
+    import torch
+    from experts.expert import Expert
+    grads = []
+    for checkpointing in (False, True):
+        expert = Expert(make_config(f"experts.refiner_0.parallel.activation_checkpointing={checkpointing}",
+                                    preset="shapes-tiny"), "refiner_0")
+        wrapped = [m for m in expert.model.modules() if type(m).__name__ == "CheckpointWrapper"]
+        assert len(wrapped) == (len(expert.model.blocks) if checkpointing else 0)
+        batch, adv = refiner_batch(expert.model)
+        expert.kind.backward(expert.model, expert.reference, batch, adv)
+        grads.append(gradient(expert))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6), float((grads[0] - grads[1]).abs().max())
