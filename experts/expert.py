@@ -71,7 +71,7 @@ class Expert:
             reference = reference_of(model)
             if not is_lora(model):  # the frozen copy is sharded too
                 parallel.shard(reference, self.device)
-            self.build(parallel.shard(model, self.device), reference)
+            self.build(parallel.shard(model, self.device, self.spec.parallel.reshard_after_forward), reference)
         self.gang = Gang(rank, spec.ranks, strategy, spec.generation)
         return spec.generation
 
@@ -130,6 +130,11 @@ class Expert:
                                            if self.sharded else optimizer)
         self.version, self.last_step, self.last_stats = info.version, info.last_step, {}
         return self.info()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this process holds of the expert's parameters, gradients and optimizer state (its
+        shards of them under fsdp)."""
+        return parallel.held_bytes(self.model, self.optimizer)
 
     def optimizer_files(self) -> ShardFiles:
         """This rank's shards of the optimizer state as checkpoint files (a collective: every rank

@@ -87,14 +87,14 @@ def checkpoint_activations(model: nn.Module) -> None:
     apply_activation_checkpointing(model, check_fn=lambda m: id(m) in units)
 
 
-def shard(model: nn.Module, device: torch.device) -> nn.Module:
+def shard(model: nn.Module, device: torch.device, reshard_after_forward: bool = True) -> nn.Module:
     """`model` sharded in place over the process group with FSDP2: each block, then the rest; its
     gradients summed, not averaged, across ranks (the convention above)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for unit in [*blocks(model), model]:
-        fully_shard(unit, mesh=mesh)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
         unit.set_gradient_divide_factor(1.0)  # each unit reduces its own gradients
         unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     for name in FORWARD_METHODS:
@@ -165,3 +165,14 @@ def sharded_optimizer_state(state: dict, params: list[nn.Parameter]) -> dict:
                                          if isinstance(v, torch.Tensor) and v.shape == params[int(pid)].shape else v)
                                      for k, v in entries.items()}
                                for pid, entries in state["state"].items()}}
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this process holds (local shards only)."""
+    def size(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    params = list(model.parameters())
+    return {"params": sum(size(p) for p in params),
+            "grads": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(v) for entries in optimizer.state.values() for v in entries.values())}

@@ -37,6 +37,10 @@ class ParallelConfig(Strict):
                                                                  "and optimizer state sharded across ranks (FSDP2)")
     activation_checkpointing: bool = Field(False, description="recompute each transformer block's activations in "
                                                               "the backward pass: less memory, more time")
+    reshard_after_forward: bool = Field(True, description="fsdp: free each block's gathered parameters after its "
+                                                          "forward pass and gather them again for the backward; "
+                                                          "false keeps them to the backward (fewer all-gathers, "
+                                                          "the whole model gathered at the peak)")
 
 
 class LoraConfig(Strict):
