@@ -24,20 +24,29 @@ TRAINED = ("refiner_0", "generator")
 
 
 @pytest.fixture(scope="module")
-def one_rank(ray_session, tmp_path_factory):
-    rows, _, weights = run_training(gang_config(None), tmp_path_factory.mktemp("one-rank"), TRAINED)
-    return rows, weights
+def runs(ray_session, tmp_path_factory):
+    """strategy (None: one rank) -> its 3-step run, checkpointed every step, made once per module:
+    (metric rows, the driver's inspect(), final weights, run directory)."""
+    made = {}
+
+    def run(strategy: str | None):
+        if strategy not in made:
+            run_dir = tmp_path_factory.mktemp(strategy or "one-rank")
+            made[strategy] = (*run_training(gang_config(strategy, "trainer.checkpoint_every=1"), run_dir, TRAINED),
+                              run_dir)
+        return made[strategy]
+    return run
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_give_the_one_rank_metrics_and_weights(strategy, one_rank, ray_session, tmp_path):
-    rows, info, weights = run_training(gang_config(strategy), tmp_path, TRAINED)
-    assert_same_training(rows, one_rank[0], tol=1e-5)
+def test_two_ranks_give_the_one_rank_metrics_and_weights(strategy, runs):
+    (rows, info, weights, _), (one_rows, _, one_weights, _) = runs(strategy), runs(None)
+    assert_same_training(rows, one_rows, tol=1e-5)
     for e in TRAINED:
-        assert weights[e].keys() == one_rank[1][e].keys()
+        assert weights[e].keys() == one_weights[e].keys()
         # Adam divides each gradient by its own scale, so rounding in gradients near zero moves
         # single weights by up to a few percent of one step (lr 3e-3): 2e-4 is a fifteenth of one
-        worst = max(float(np.abs(weights[e][k] - one_rank[1][e][k]).max()) for k in weights[e])
+        worst = max(float(np.abs(weights[e][k] - one_weights[e][k]).max()) for k in weights[e])
         assert worst < 2e-4, (e, worst)
     assert rows[-1]["version/refiner_0"] == rows[-1]["version/generator"] == 3
     assert info["snapshots"]["generator"]["version"] == 3
@@ -52,7 +61,7 @@ def test_more_ranks_than_samples_or_a_collective_sync_is_refused_naming_the_key(
         resolve_config("shapes-tiny", ["experts.generator.parallel.ranks=2", "cluster.sync=collective"])
 
 
-def test_a_rank_killed_mid_run_costs_time_not_correctness(one_rank, ray_session, tmp_path):
+def test_a_rank_killed_mid_run_costs_time_not_correctness(runs, tmp_path):
     """Any rank of either gang killed (a follower, then a leader): the gang is formed again and
     restored, each update applied once, versions rising, metrics those of the one-rank run."""
     kills = [(1, "expert/generator/rank1"), (2, "expert/refiner_0")]
@@ -62,16 +71,15 @@ def test_a_rank_killed_mid_run_costs_time_not_correctness(one_rank, ray_session,
     for e in TRAINED:
         assert [r[f"version/{e}"] for r in rows] == [1, 2, 3], e
         assert info["snapshots"][e] == {"version": 3, "last_step": 2}
-    assert_same_training(rows, one_rank[0], tol=1e-5)
+    assert_same_training(rows, runs(None)[0], tol=1e-5)
 
 
-def test_a_sharded_checkpoint_resumes_on_one_rank_and_on_two_to_the_same_metrics(ray_session, tmp_path):
+def test_a_sharded_checkpoint_resumes_on_one_rank_and_on_two_to_the_same_metrics(runs, tmp_path):
     """Under fsdp every rank writes its optimizer shard into the checkpoint (torch.distributed.checkpoint,
     safetensors), hashed in the manifest; the run resumed from step 2 on one rank (inline) and on two
     ranks again ends with the uninterrupted run's metrics (from step 1: step 2's metrics show the
     update made with the restored optimizer state)."""
-    run_dir = tmp_path / "run"
-    rows, _, _ = run_training(gang_config("fsdp", "trainer.checkpoint_every=1"), run_dir)
+    rows, _, _, run_dir = runs("fsdp")
     step_1 = run_dir / "checkpoints" / "step_000001"
     shards = sorted(p.name for p in (step_1 / "generator.optimizer").iterdir())
     assert len(shards) == 2 and all(n.endswith(".safetensors") for n in shards)
