@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from experts.parallel import join_group
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -74,12 +76,9 @@ class BroadcastGroup:
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise RuntimeError("cluster.collective_backend=nccl needs a GPU in every expert and rollout "
                                "worker; use gloo (CPU weights) or cluster.sync=object_store")
-        if dist.is_initialized():  # an older generation of the group: leave it first
-            dist.destroy_process_group()
+        join_group(spec.host, spec.port, f"generation-{spec.generation}", rank, spec.world_size, spec.backend,
+                   spec.timeout_s)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
-        store = dist.PrefixStore(f"generation-{spec.generation}",
-                                 dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timeout))
-        dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
         # every rank takes part in creating every subgroup, in the same order
         self.groups = {e: dist.new_group(ranks, backend=spec.backend, timeout=timeout)
                        for e, ranks in spec.subgroups.items()}

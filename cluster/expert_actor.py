@@ -31,10 +31,12 @@ class ExpertActor(Expert, BroadcastMember):
         self.rendezvous: dist.TCPStore | None = None
 
     def open_gang(self) -> tuple[str, int]:
-        """Host a new rendezvous for the expert's ranks (the leader does): its (host, port)."""
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        self.rendezvous = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        return host, self.rendezvous.port
+        """The (host, port) of the rendezvous of the expert's ranks, which the leader hosts (one
+        store for every generation of the gang: each joins under its own prefix)."""
+        if self.rendezvous is None:
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            self.rendezvous = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return self.rendezvous.host, self.rendezvous.port
 
     def send_weights(self, version: int) -> None:
         """Broadcast this expert's weights, at `version`, into every rollout worker (`cluster.sync=collective`)."""

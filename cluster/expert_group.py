@@ -21,7 +21,7 @@ from cluster.runtime import Runtime, get
 from cluster.weight_sync import SyncResult, WeightSyncActor
 from experts.expert import GangBroken, StaleExpert
 from experts.kinds import expert_kind
-from experts.records import Release, ShardedOptimizer, Snapshot
+from experts.records import Release, ShardedOptimizer, ShardFiles, Snapshot
 
 
 class ExpertGroup:
@@ -160,10 +160,18 @@ class ExpertGroup:
     def saved_snapshots(self) -> dict[str, Snapshot]:
         """Every expert's latest snapshot, fetched (for a checkpoint); a sharded expert's optimizer
         as its ranks write it (they hold that snapshot's state: checkpoints come between steps)."""
-        return {e: Snapshot(get(s.weights),
-                            self.gangs[e].optimizer_files() if isinstance(s.optimizer, ShardedOptimizer)
+        return {e: Snapshot(get(s.weights), self.optimizer_files(e) if isinstance(s.optimizer, ShardedOptimizer)
                             else get(s.optimizer), get(s.info))
                 for e, s in self.snapshots.items()}
+
+    def optimizer_files(self, e: str) -> ShardFiles:
+        """Sharded expert `e`'s optimizer state as its ranks write it; a rank lost meanwhile, the
+        gang is restored from its latest snapshot (the state being saved) and writes it again."""
+        files, faults = survive(lambda first: self.gangs[e].optimizer_files(),
+                                lambda: self.gangs[e].restore(*self.snapshots[e]), self.config.cluster.max_restarts,
+                                lost=(GangBroken,))
+        self.faults.expert_restarts += faults
+        return files
 
     def inspect(self) -> dict:
         """Where every version stands: the experts, their snapshots and the sync registry."""

@@ -148,7 +148,8 @@ class ClusterConfig(Strict):
     collective_backend: Literal["gloo", "nccl"] = Field("gloo", description="backend of sync=collective; nccl: "
                                                                             "weights on GPUs")
     collective_timeout_s: PositiveFloat = Field(60.0, description="seconds before a stuck broadcast falls back "
-                                                                  "to the object store")
+                                                                  "to the object store; also how long a rank of an "
+                                                                  "expert of several ranks waits for its peers")
     max_staleness: NonNegativeInt = Field(0, description="k > 0: rollouts for steps t+1..t+k run while step t "
                                                          "updates (off-policy by up to k versions); 0: in lockstep")
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(

@@ -56,7 +56,7 @@ class Expert:
         given) and a fresh optimizer."""
         if self.spec.parallel.activation_checkpointing:
             parallel.checkpoint_activations(model)
-        self.model, self.reference = model, reference or reference_of(model)
+        self.model, self.reference = model, reference if reference is not None else reference_of(model)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # all, or a LoRA adapter's
         self.optimizer = torch.optim.AdamW(self.trainable, lr=self.spec.lr)
 

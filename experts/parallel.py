@@ -57,12 +57,17 @@ class Gang:
 
 def join(spec: GangSpec, rank: int) -> None:
     """Make this process rank `rank` of the spec's process group, leaving any older one first."""
+    join_group(spec.host, spec.port, f"gang-{spec.generation}", rank, spec.ranks, spec.backend, spec.timeout_s)
+
+
+def join_group(host: str, port: int, prefix: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+    """This process as rank `rank` of the default process group whose rendezvous is the TCPStore at
+    host:port, under `prefix` (one per generation of a group); an older group is left first."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.PrefixStore(f"gang-{spec.generation}",
-                             dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timeout))
-    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.ranks, timeout=timeout)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
