@@ -20,8 +20,9 @@ def own_gain(rows, expert_id, window=10):
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["sync", "staleness1"])
 def per_expert_run(request, tmp_path_factory, ray_session):
-    """60 steps of the default preset, synchronous and with rollouts one step ahead of the updates."""
-    cfg = make_config("trainer.steps=60", f"cluster.max_staleness={request.param}")
+    """40 steps of the default preset, synchronous and with rollouts one step ahead of the updates
+    (each refiner's own term gains 0.22-0.60 over them: the test asks for 0.1)."""
+    cfg = make_config("trainer.steps=40", f"cluster.max_staleness={request.param}")
     return cfg, *run_training(cfg, tmp_path_factory.mktemp("per_expert"), inspect_weights=("generator",))
 
 
@@ -35,7 +36,7 @@ def test_three_refiners_plus_generator_all_learn_with_per_expert_credit(per_expe
     assert any(not np.array_equal(weights["generator"][k], v.numpy()) for k, v in init.items())
     assert all(0.5 < r["ppo/ratio_mean"] < 2.0 for r in rows)
     assert {e: v["version"] for e, v in info["experts"].items()} == \
-        {"refiner_0": 60, "refiner_1": 60, "refiner_2": 60, "generator": 60}
+        {"refiner_0": 40, "refiner_1": 40, "refiner_2": 40, "generator": 40}
 
 
 @pytest.mark.slow
