@@ -46,6 +46,15 @@ def jointrl_ode(velocity, frontend, prompts: list[str], latents: torch.Tensor, s
     return states[:, -1], frontend.decode(states[:, -1])
 
 
+def sampled_by_jointrl(path: str, guidance: float, steps: int, *extra: str):
+    """(front end, initial latents, final latents, decoded images) of jointrl's deterministic
+    sampling of the pipeline at `path` with guidance `guidance`: what a family's test gives its
+    diffusers pipeline too."""
+    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}", *extra))
+    latents = initial_latents(frontend, len(PROMPTS))
+    return frontend, latents, *jointrl_ode(velocity, frontend, PROMPTS, latents, steps)
+
+
 @torch.no_grad()
 def assert_logps_are_normal(velocity, frontend, prompts: list[str], steps: int, noise_level: float = 0.7,
                             tol: float = 1e-5) -> None:

@@ -16,8 +16,7 @@ import torch
 from experts.flux1 import pack, unpack
 from experts.hub import local_model
 from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
-                                assert_lora_reference_is_base, family_config, initial_latents,
-                                jointrl_ode, parts)
+                                assert_lora_reference_is_base, family_config, parts, sampled_by_jointrl)
 
 STEPS = 4
 EMBEDDED_GUIDANCE = 3.5
@@ -27,10 +26,8 @@ def assert_pipeline_equal(path: str, guidance: float) -> None:
     """jointrl's ODE sampling of the model at `path` with true guidance `guidance` gives the pipeline's
     latents and images."""
     from diffusers import FluxPipeline
-    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}",
-                                             f"experts.generator.model.embedded_guidance={EMBEDDED_GUIDANCE}"))
-    latents = initial_latents(frontend, len(PROMPTS))
-    ours, image = jointrl_ode(velocity, frontend, PROMPTS, latents, STEPS)
+    frontend, latents, ours, image = sampled_by_jointrl(path, guidance, STEPS,
+                                                        f"experts.generator.model.embedded_guidance={EMBEDDED_GUIDANCE}")
     size = frontend.config.task.image_size
     pipe = FluxPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)

@@ -17,8 +17,7 @@ import pytest
 
 from experts.hub import local_model
 from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
-                                assert_lora_reference_is_base, family_config, initial_latents,
-                                jointrl_ode, parts)
+                                assert_lora_reference_is_base, family_config, parts, sampled_by_jointrl)
 
 STEPS = 4
 
@@ -27,9 +26,7 @@ STEPS = 4
 def test_flux2_klein_ode_sampling_equals_the_diffusers_pipeline(guidance):
     from diffusers import Flux2KleinPipeline
     path = local_model("tiny:flux2_klein")
-    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}"))
-    latents = initial_latents(frontend, len(PROMPTS))
-    ours, image = jointrl_ode(velocity, frontend, PROMPTS, latents, STEPS)
+    frontend, latents, ours, image = sampled_by_jointrl(path, guidance, STEPS)
     size = frontend.config.task.image_size
     pipe = Flux2KleinPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)

@@ -16,8 +16,8 @@ import torch
 from experts.hub import local_model
 from experts.qwen_image import Velocity, pack, unpack
 from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
-                                assert_lora_reference_is_base, family_config, initial_latents,
-                                jointrl_ode, parts)
+                                assert_lora_reference_is_base, family_config, initial_latents, parts,
+                                sampled_by_jointrl)
 
 STEPS = 4
 
@@ -32,9 +32,7 @@ def pipeline(path: str):
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
 def test_qwen_image_ode_sampling_equals_the_diffusers_pipeline(guidance):
     path = local_model("tiny:qwen_image")
-    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}"))
-    latents = initial_latents(frontend, len(PROMPTS))
-    ours, image = jointrl_ode(velocity, frontend, PROMPTS, latents, STEPS)
+    frontend, latents, ours, image = sampled_by_jointrl(path, guidance, STEPS)
     size = frontend.config.task.image_size
     negative = {"negative_prompt": [""] * len(PROMPTS)} if guidance > 1 else {}
     common = dict(prompt=PROMPTS, num_inference_steps=STEPS, true_cfg_scale=guidance, max_sequence_length=16,

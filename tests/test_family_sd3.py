@@ -7,7 +7,7 @@ import torch
 
 from experts.hub import local_model
 from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
-                                assert_lora_reference_is_base, family_config, initial_latents, jointrl_ode, parts)
+                                assert_lora_reference_is_base, family_config, parts, sampled_by_jointrl)
 
 STEPS = 4
 
@@ -16,9 +16,7 @@ STEPS = 4
 def test_sd3_ode_sampling_equals_the_diffusers_pipeline(guidance):
     from diffusers import StableDiffusion3Pipeline
     path = local_model("tiny:sd3")
-    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}"))
-    latents = initial_latents(frontend, len(PROMPTS))
-    ours, image = jointrl_ode(velocity, frontend, PROMPTS, latents, STEPS)
+    frontend, latents, ours, image = sampled_by_jointrl(path, guidance, STEPS)
     pipe = StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None, tokenizer_3=None, image_encoder=None,
                                                     feature_extractor=None)
     pipe.set_progress_bar_config(disable=True)
