@@ -29,7 +29,7 @@ KILLS = [(1, "expert/generator/rank1"), (2, "expert/refiner_0")]  # a follower, 
 
 @pytest.fixture(scope="module")
 def runs(ray_session, tmp_path_factory):
-    """strategy (None: one rank) -> its 3-step run, checkpointed every step, made once per module:
+    """strategy (None: one rank, inline) -> its 3-step run, checkpointed every step, made once per module:
     (metric rows, the driver's inspect(), the final checkpoint's weights, run directory). The fsdp
     run has a rank of each gang killed mid-run (KILLS)."""
     made = {}
@@ -37,7 +37,7 @@ def runs(ray_session, tmp_path_factory):
     def run(strategy: str | None):
         if strategy not in made:
             run_dir = tmp_path_factory.mktemp(strategy or "one-rank")
-            cfg = gang_config(strategy, "trainer.checkpoint_every=1")
+            cfg = gang_config(strategy, "trainer.checkpoint_every=1", *([] if strategy else ["cluster.mode=inline"]))
             rows, info = run_killing(cfg, run_dir, KILLS) if strategy == "fsdp" else run_training(cfg, run_dir)[:2]
             last = run_dir / "checkpoints" / "step_000003"
             weights = {e: {k: v.numpy() for k, v in state_file.read_weights(last / f"{e}.safetensors").items()}
