@@ -74,8 +74,8 @@ class ExpertGang:
         get([r.restore.remote(weights, shard, info) for r, shard in zip(self.ranks, shards)])
 
     def update(self, step: int, version: int, *inputs) -> list:
-        """Every rank's update call (the leader's first: the expert's stats)."""
-        self.check()
+        """Every rank's update call (the leader's first: the expert's stats); the expert group has
+        checked the gang whole (`check`) before asking."""
         return [r.update.remote(step, version, *inputs) for r in self.ranks]
 
     def snapshot(self) -> tuple[Snapshot, list]:
