@@ -21,6 +21,7 @@ generator_loss: Flow-GRPO's objective (arXiv 2505.05470, eq. 8): PPO-clipped rat
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,18 +118,22 @@ def transition_losses(policy, reference, batch: dict, adv: torch.Tensor, rows, c
 
 
 def generator_backward(policy, reference, batch: dict, adv: torch.Tensor, obj: GeneratorObjective,
-                       samples: torch.Tensor | None = None):
+                       samples: torch.Tensor | None = None, before_last: Callable[[], None] | None = None):
     """Backpropagate the mean over trained transitions of `transition_losses`, one chunk at a time
     (the gradient is the full batch's, to float rounding); returns (loss, stats). `samples`: only
-    these samples' transitions, still divided by the whole batch's count (one rank's share)."""
+    these samples' transitions, still divided by the whole batch's count (one rank's share).
+    `before_last` runs before the last chunk's backward pass (a sharded model that held back its
+    gradient reduction until then turns it on)."""
     steps = trained_steps(batch["sde"], obj.train_final_step)
     n_samples = batch["states"].shape[0]
     chunks = transition_chunks(torch.arange(n_samples) if samples is None else samples, steps, obj.micro_batch)
     n = len(steps) * n_samples
     loss, kl, ratio = 0.0, 0.0, 0.0
-    for rows, cols in chunks:
+    for i, (rows, cols) in enumerate(chunks):
         losses, kls, ratios = transition_losses(policy, reference, batch, adv, rows, cols, obj)
         part = losses.sum() / n
+        if before_last is not None and i == len(chunks) - 1:
+            before_last()
         part.backward()
         loss, kl, ratio = loss + float(part.detach()), kl + float(kls.sum()) / n, ratio + float(ratios.sum()) / n
     return loss, {"kl": kl, "ratio_mean": ratio}

@@ -319,6 +319,11 @@ class Config(Strict):
         """An expert of several ranks needs a sample per rank each step, and its own process group."""
         for eid, spec in self.experts.sections().items():
             ranks = spec.parallel.ranks
+            if spec.parallel.strategy == "ddp" and (spec.parallel.defer_gradient_sync
+                                                    or not spec.parallel.reshard_after_forward):
+                key = "defer_gradient_sync=true" if spec.parallel.defer_gradient_sync else "reshard_after_forward=false"
+                raise ValueError(f"experts.{eid}.parallel.{key} is an fsdp setting; experts.{eid}.parallel.strategy "
+                                 f"is ddp")
             if ranks == 1:
                 continue
             skipped = self.algorithm.num_skip_refinement if isinstance(spec, RefinerConfig) else 0

@@ -87,7 +87,7 @@ class Expert:
     def weights(self) -> dict[str, np.ndarray] | None:
         """This version's weights as numpy arrays (experts/weights.py), whole; None on a rank
         other than the leader (which still takes part in gathering them)."""
-        state = parallel.gathered(synced_state(self.model)) if self.sharded else synced_state(self.model)
+        state = parallel.gathered(self.model, synced_state(self.model)) if self.sharded else synced_state(self.model)
         return arrays_of(state, self.private) if self.gang is None or self.gang.leader else None
 
     def info(self) -> ExpertInfo:
@@ -164,8 +164,13 @@ class Expert:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         rows = self.gang.rows(len(adv)) if self.gang else None
-        loss, stats = self.kind.backward(self.model, self.reference,
-                                         self.kind.merge(self.model, list(shards), self.device), adv, rows)
+        batch = self.kind.merge(self.model, list(shards), self.device)
+        if self.sharded and self.spec.parallel.defer_gradient_sync:
+            with parallel.gathered_through_update(self.model, self.reference,
+                                                  self.spec.parallel.reshard_after_forward) as before_last:
+                loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows, before_last)
+        else:
+            loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows)
         if self.gang:
             loss, stats = parallel.sum_stats(loss, stats)
             if self.gang.strategy == "ddp":

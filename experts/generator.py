@@ -8,7 +8,7 @@ driver/preflight.py.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 import torch
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
@@ -132,7 +132,8 @@ class GeneratorKind(ExpertKind):
                                                           for s in shards]),
                           "sigmas": torch.tensor(shards[0]["sigmas"]), "sde": torch.tensor(shards[0]["sde"])}, device)
 
-    def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None):
+    def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
+                 before_last: Callable[[], None] | None = None):
         s = self.spec
         return generator_backward(model, reference, batch, adv, GeneratorObjective(
-            s.noise_level, s.clip_eps, s.kl_beta, s.kl_form, s.train_final_step, s.micro_batch), rows)
+            s.noise_level, s.clip_eps, s.kl_beta, s.kl_form, s.train_final_step, s.micro_batch), rows, before_last)

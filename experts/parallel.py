@@ -15,6 +15,8 @@ torch.distributed.checkpoint (experts/state_file.py), from which any number of r
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +110,34 @@ def shard(model: nn.Module, device: torch.device, reshard_after_forward: bool = 
     return model
 
 
+@contextmanager
+def gathered_through_update(model: nn.Module, reference: nn.Module,
+                            reshard_after_forward: bool) -> Iterator[Callable[[], None]]:
+    """fsdp with `defer_gradient_sync`: within it the sharded `model` (and a sharded `reference`)
+    stay gathered after their first all-gather and the gradients accumulate whole; it yields what
+    to call before the last backward pass, which reduce-scatters them once and reshards. After
+    it, every unit behaves as `shard` set it."""
+    from torch.distributed.fsdp import FSDPModule
+    sharded = [m for m in (model, reference) if isinstance(m, FSDPModule)]
+    for m in sharded:
+        m.set_reshard_after_forward(False)
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+
+    def reduce_at_last_pass() -> None:
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+    try:
+        yield reduce_at_last_pass
+    finally:
+        reduce_at_last_pass()
+        for m in sharded:
+            for unit in blocks(m):
+                unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+            m.set_reshard_after_forward(False, recurse=False)  # FSDP's own choice for the root
+            m.reshard()
+
+
 def sum_gradients(params: list[nn.Parameter]) -> None:
     """`ddp`: every rank's gradients replaced by their sum over ranks, in one all-reduce."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -127,10 +157,23 @@ def sum_stats(loss: float, stats: dict) -> tuple[float, dict]:
     return float(values[0]), dict(zip(keys, values[1:].tolist()))
 
 
-def gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole tensors on the CPU from sharded ones (a collective: every rank calls it), one at a
-    time so that a device never holds more than one whole tensor; others as they are."""
-    return {k: v.full_tensor().cpu() if isinstance(v, DTensor) else v for k, v in tensors.items()}
+def gathered(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (entries of the sharded `model`'s state_dict) whole on the CPU, gathered one FSDP
+    unit at a time (one all-gather each; a collective: every rank calls it), so a device never
+    holds more than one unit whole; plain entries as they are."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+    from torch.distributed.fsdp import FSDPModule
+    out = {k: v for k, v in state.items() if not isinstance(v, DTensor)}
+    for prefix, unit in model.named_modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        unit.unshard()  # its own parameters become whole plain tensors until `reshard`
+        for name, p in unit.named_parameters(prefix=prefix):
+            key = name.replace(_CHECKPOINT_PREFIX, "")
+            if key in state and key not in out and not isinstance(p, DTensor):
+                out[key] = p.detach().to("cpu", copy=True)
+        unit.reshard()
+    return {k: out[k] if k in out else v.full_tensor().cpu() for k, v in state.items()}
 
 
 def sharded_like(whole: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -41,6 +41,11 @@ class ParallelConfig(Strict):
                                                           "forward pass and gather them again for the backward; "
                                                           "false keeps them to the backward (fewer all-gathers, "
                                                           "the whole model gathered at the peak)")
+    defer_gradient_sync: bool = Field(False, description="fsdp: keep the parameters gathered and the gradients "
+                                                          "whole through all of an update's backward passes and "
+                                                          "reduce-scatter once, at the last (one all-gather and "
+                                                          "one reduce-scatter per block per update, for ddp's "
+                                                          "memory while the update runs; sharded again after)")
 
 
 class LoraConfig(Strict):

@@ -16,8 +16,11 @@ GANG = ("experts.refiner_0.parallel.ranks=2", "experts.generator.parallel.ranks=
 
 
 def gang_config(strategy: str | None, *extra: str):
+    """Under fsdp the generator holds its gradient reduction to the last of its update's backward passes
+    (`defer_gradient_sync`), and the refiner (one backward pass) reduces as FSDP does by default."""
     parallel = [*GANG, f"experts.refiner_0.parallel.strategy={strategy}",
-                f"experts.generator.parallel.strategy={strategy}"] if strategy else []
+                f"experts.generator.parallel.strategy={strategy}",
+                *(["experts.generator.parallel.defer_gradient_sync=true"] if strategy == "fsdp" else [])] if strategy else []
     return make_config("experts.generator.kl_beta=0.05", *parallel, *extra, preset="shapes-tiny")
 
 
@@ -80,6 +83,8 @@ def test_more_ranks_than_samples_or_a_collective_sync_is_refused_naming_the_key(
     resolve_config("shapes-tiny", ["experts.generator.parallel.ranks=8"])      # 2 prompts x 4
     with pytest.raises(ConfigError, match="cluster.sync=object_store"):
         resolve_config("shapes-tiny", ["experts.generator.parallel.ranks=2", "cluster.sync=collective"])
+    with pytest.raises(ConfigError, match="generator.parallel.defer_gradient_sync=true is an fsdp setting"):
+        resolve_config("shapes-tiny", ["experts.generator.parallel.ranks=2", "experts.generator.parallel.defer_gradient_sync=true"])
 
 
 def test_a_sharded_checkpoint_resumes_on_one_rank_and_on_two_to_the_same_metrics(runs, tmp_path):
