@@ -37,7 +37,8 @@ class ExpertGroup:
         self.handles = {e: gang.leader for e, gang in self.gangs.items()}
         collective = config.cluster.sync == "collective" and config.cluster.mode == "ray"
         self.sync = runtime.spawn_member(
-            WeightSyncActor, workers, self.handles if collective else None,
+            WeightSyncActor, runtime.members, [f"rollout/{j}" for j in range(len(workers))],
+            list(self.handles) if collective else None,
             {"backend": config.cluster.collective_backend, "timeout_s": config.cluster.collective_timeout_s}
             if collective else None, name="weight_sync")
         self.workers = workers

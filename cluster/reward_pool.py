@@ -36,11 +36,17 @@ class RewardActor:
         return self.index
 
 
+def pool_names(config) -> dict[str, list[str]]:
+    """Every pooled term's actors' names: `reward/<term>/<k>`."""
+    return {term: [f"reward/{term}/{k}" for k in range(n)] for term, (n, _) in config.reward.pools().items()}
+
+
 def spawn_pools(config, runtime) -> dict[str, list]:
-    """Every pooled term's actors, named `reward/<term>/<k>`."""
-    return {term: [runtime.spawn_member(RewardActor, config, term, k, name=f"reward/{term}/{k}", resources=resources)
-                   for k in range(n)]
-            for term, (n, resources) in config.reward.pools().items()}
+    """Every pooled term's actors (`pool_names`)."""
+    pools = config.reward.pools()
+    return {term: [runtime.spawn_member(RewardActor, config, term, k, name=name, resources=pools[term][1])
+                   for k, name in enumerate(names)]
+            for term, names in pool_names(config).items()}
 
 
 class PooledTerm:

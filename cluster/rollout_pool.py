@@ -51,7 +51,7 @@ class RolloutPool:
         self.config, self.runtime, self.faults, self.plan = config, runtime, faults, plan
         self.refiner_ids = list(config.experts.active_refiners())
         self.reward_pools = spawn_pools(config, runtime)
-        self.workers = [runtime.spawn_member(RolloutWorker, config, j, self.reward_pools, name=f"rollout/{j}",
+        self.workers = [runtime.spawn_member(RolloutWorker, config, j, runtime.members, name=f"rollout/{j}",
                                              resources=config.cluster.rollout_resources)
                         for j in range(config.cluster.rollout_workers)]
         self.in_flight: dict[int, Rollout] = {}  # submitted, not yet collected, at most max_staleness ahead

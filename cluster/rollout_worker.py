@@ -11,7 +11,8 @@ import torch
 
 from cluster.collective import BroadcastMember, layout
 from cluster.recovery import NotSynced, this_node
-from cluster.reward_pool import PooledTerm
+from cluster.reward_pool import PooledTerm, pool_names
+from cluster.runtime import Members
 from experts.devices import actor_device
 from experts.pipeline import RolloutPipeline
 from experts.weights import fingerprint, model_tensors, synced_state, travel_form
@@ -23,12 +24,16 @@ class CorruptWeights(RuntimeError):
 
 
 class RolloutWorker(RolloutPipeline, BroadcastMember):
-    def __init__(self, config, index: int, reward_pools: dict[str, list] | None = None):
-        """`reward_pools`: term -> the actors that score it (cluster/reward_pool.py); the other
-        terms are scored here."""
+    def __init__(self, config, index: int, members: Members | None = None):
+        """The terms with a pool of reward actors (cluster/reward_pool.py) are scored by them,
+        found among the run's `members`; the other terms are scored here."""
         torch.set_num_threads(1)
-        scorers = {term: PooledTerm(actors, index, config.cluster.max_restarts)
-                   for term, actors in (reward_pools or {}).items()}
+        pools = pool_names(config)
+        if pools and members is None:
+            raise ValueError(f"rollout/{index}: reward.terms {sorted(pools)} are scored by reward actors; "
+                             f"a worker needs the run's members to find them")
+        scorers = {term: PooledTerm([members(name) for name in names], index, config.cluster.max_restarts)
+                   for term, names in pools.items()}
         super().__init__(config, scorers, actor_device(config.cluster.rollout_resources))
         self.index = index
         self.held: dict[str, dict[int, dict]] = {eid: {} for eid in self.models}  # expert -> version -> tensors

@@ -6,6 +6,8 @@ correctness oracle for `ray` and a debugger can step through a whole training st
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import ray
 
 
@@ -51,12 +53,28 @@ def get(refs):
     return refs.value if isinstance(refs, InlineRef) else ray.get(refs)
 
 
+@dataclass
+class Members:
+    """A run's actors by name: `<run_name>/<name>` in Ray's `jointrl` namespace, or the in-process
+    handles of an inline run. An actor that talks to other actors is given their names and looks
+    them up, not their handles: Ray keeps handles given to a constructor in its object store, where
+    a restarted actor may not find them (and says so in an error line when the actor is made)."""
+    run_name: str
+    inline: dict[str, InlineHandle] | None = field(default=None, compare=False)
+
+    def __call__(self, name: str):
+        if self.inline is not None:
+            return self.inline[name]
+        return ray.get_actor(f"{self.run_name}/{name}", namespace="jointrl")
+
+
 class Runtime:
     """Spawns actors for a mode: `ray` (named, in the `jointrl` namespace) or `inline`."""
 
     def __init__(self, mode: str, run_name: str, max_restarts: int = 0, placement=None):
         """`max_restarts` and `placement` (cluster/placement.py) apply to the run's members (`spawn_member`)."""
         self.mode, self.run_name, self.max_restarts, self.placement = mode, run_name, max_restarts, placement
+        self.members = Members(run_name, {} if mode == "inline" else None)
 
     def put(self, value):
         """`value` in the object store (ray) or wrapped as an already-computed result (inline)."""
@@ -64,7 +82,8 @@ class Runtime:
 
     def spawn(self, cls, *args, name: str, **options):
         if self.mode == "inline":
-            return InlineHandle(cls(*args))
+            handle = self.members.inline[name] = InlineHandle(cls(*args))
+            return handle
         options = {"num_cpus": 0, **options}
         return ray.remote(cls).options(name=f"{self.run_name}/{name}", namespace="jointrl",
                                        **options).remote(*args)

@@ -17,7 +17,7 @@ import ray
 import torch.distributed as dist
 
 from cluster.collective import GroupSpec
-from cluster.runtime import get
+from cluster.runtime import Members, get
 from experts.records import Release
 
 
@@ -32,10 +32,14 @@ class SyncResult(NamedTuple):
 class WeightSyncActor:
     """The registry of published versions; delivers each to every worker and collects the acks."""
 
-    def __init__(self, workers: list, experts: dict | None = None, collective: dict | None = None):
-        """`experts` (id -> handle) and `collective` ({"backend", "timeout_s"}) are given when the
-        run syncs by broadcast (`cluster.sync=collective`); else versions go through the object store."""
-        self.workers, self.experts, self.collective = workers, experts, collective
+    def __init__(self, members: Members, workers: list[str], experts: list[str] | None = None,
+                 collective: dict | None = None):
+        """`workers`: the rollout workers' names. `experts` (ids) and `collective` ({"backend",
+        "timeout_s"}) are given when the run syncs by broadcast (`cluster.sync=collective`); else
+        versions go through the object store."""
+        self.workers = [members(name) for name in workers]
+        self.experts = {e: members(f"expert/{e}") for e in experts} if experts is not None else None
+        self.collective = collective
         self.registry: dict[str, int] = {}
         self.store, self.generation, self.intact = None, 0, False
 

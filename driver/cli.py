@@ -150,7 +150,7 @@ def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
             driver = start_driver(config, run_dir, resume)
             with Interrupts(on_first=driver.instance.stop) as interrupts:
                 return {**driver.instance.run(on_row=progress), "interrupted": interrupts}
-        connect_to(config.cluster.address)
+        connect_to(config.cluster.address, None if config.logging.ray_verbose else run_dir / "ray.log")
         fits_cluster(config)
         driver = start_driver(config, run_dir, resume)
         try:
@@ -169,11 +169,12 @@ def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
             ray.shutdown()
 
 
-def connect_to(address: str | None) -> None:
-    """Ray, or a ConfigError naming the address and what a token-authenticated cluster needs."""
+def connect_to(address: str | None, log_file: Path | None = None) -> None:
+    """Ray (its own lines to `log_file` if given), or a ConfigError naming the address and what a
+    token-authenticated cluster needs."""
     from cluster.connect import connect
     try:
-        connect(address)
+        connect(address, log_file=log_file)
     except ConnectionError as e:
         raise ConfigError(f"cannot connect to the Ray cluster at cluster.address={address!r} ({e}); a cluster "
                           f"with token authentication needs RAY_AUTH_MODE=token in this client's environment "
@@ -189,7 +190,7 @@ def evaluate(args) -> int:
             report = evaluate_run(where, run_config(where, "--run", overrides, layer=args.config), bar.update)
         else:
             where = Path(args.base)
-            report = evaluate_base(load_config(args.config, overrides), where, bar.update)
+            report = evaluate_base(load_config(args.config, ["experts.base=null", *overrides]), where, bar.update)
     print(f"jointrl: evaluation of {report['checkpoint']}\n{table(report)}\n"
           f"  written to {where / 'eval.json'}; images in {where / 'eval_samples.png'} and {where / 'eval_sheet.png'}")
     return 0
@@ -219,9 +220,10 @@ def run_report(args) -> int:
 
 
 def run_pretrain(args) -> int:
+    from driver.bases import base_dir
     from driver.evaluate import evaluate_base, table
-    from driver.pretrain import base_dir, pretrain_all
-    config = load_config(args.config, args.overrides)
+    from driver.pretrain import pretrain_all
+    config = load_config(args.config, ["experts.base=null", *args.overrides])  # it makes the base
     base = base_dir(config)
     print(f"jointrl: pretraining the base into {base} ({config.pretrain.steps} steps), then the "
           f"refiners ({config.pretrain.refiner_steps} steps)", flush=True)
@@ -231,7 +233,8 @@ def run_pretrain(args) -> int:
     eval_file = base / "eval.json"
     report = json.loads(eval_file.read_text()) if eval_file.is_file() else evaluate_base(config, base)
     sets = " ".join(f"--set {o}" for o in overrides)
-    print(f"{table(report)}\njointrl: base ready. Train from it with\n  {sets}")
+    print(f"{table(report)}\njointrl: base ready. Train from it with\n  --set experts.base={base.parent.resolve()}\n"
+          f"or name each file:\n  {sets}")
     return 0
 
 
@@ -269,7 +272,18 @@ def run_train(args) -> int:
     print(f"jointrl: done, {summary['steps']} steps, final {progress_line(summary['last'])}\n"
           f"  run dir:     {path}\n  metrics:     {path / 'metrics.jsonl'}\n"
           f"  config:      {path / 'config.yaml'}\n  checkpoints: {path / 'checkpoints'}", flush=True)
+    if config.logging.report:
+        print(report_lines(path, config), flush=True)
     return 0
+
+
+def report_lines(run_dir: Path, config: Config) -> str:
+    """The run's report written, and the two pictures to open first: the rewards and the samples."""
+    from driver.report import report
+    written, missing = report(run_dir, lambda: config)
+    first = [p for p in written if p.name in ("rewards.png", "samples.png")]
+    return (f"jointrl: report in {run_dir / 'report'} ({len(written)} pictures); open first:\n"
+            + "\n".join(f"  {p}" for p in first) + (f"\n  no samples: {missing}" if missing else ""))
 
 
 def failure(cause: BaseException) -> str:

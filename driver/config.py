@@ -38,6 +38,10 @@ class ExpertsConfig(Strict):
                                                     "refined")
     generator: GeneratorConfig = Field(GeneratorConfig(), description="the flow-matching image generator")
     text_encoder: TextEncoderConfig = Field(TextEncoderConfig(), description="the tiny generator's text encoder")
+    base: str | None = Field(None, description="a `jointrl pretrain` output folder (`pretrain.out_dir`): every "
+                                               "expert whose `init` is not set starts from the file made there for "
+                                               "its settings (relative paths are read from the config file's "
+                                               "folder if there); None: each expert's own `init`")
 
     @staticmethod
     def refiner_id(i: int | str) -> str:
@@ -216,6 +220,9 @@ class PretrainConfig(Strict):
     refiner_steps: PositiveInt = Field(400, description="supervised steps of the refiners on the captions' "
                                                         "details")
     refiner_lr: PositiveFloat = Field(3e-3, description="learning rate of the refiners' supervised start")
+    restate_share: float = Field(0.25, ge=0.0, le=1.0, description="share of the refiners' supervised examples "
+                                 "that first restate one of the prompt's colours or shapes, as a rewriting LM "
+                                 "restates the request before adding detail")
     degraded_share: float = Field(0.2, ge=0.0, lt=1.0, description="share of low-quality images in the data, "
                                   "never captioned with quality words (shapes.QUALITY_WORDS)")
     threads: PositiveInt = Field(2, description="torch CPU threads")
@@ -233,6 +240,11 @@ class LoggingConfig(Strict):
     images_every: NonNegativeInt = Field(0, description="log sample images with their prompts every N steps "
                                                         "(and the last); 0: never")
     images_per_log: PositiveInt = Field(8, description="images per logged sample grid")
+    report: bool = Field(False, description="when training ends, write RUN_DIR/report/ (`jointrl report`: the "
+                                            "curves and a captioned sample sheet) and print the two to open first")
+    ray_verbose: bool = Field(False, description="Ray's own lines (its start, notices) and the actors' output on "
+                                                 "the terminal; false: Ray's lines go to RUN_DIR/ray.log and the "
+                                                 "actors' output stays in Ray's session logs (named there)")
 
 
 class TaskConfig(Strict):
@@ -312,6 +324,21 @@ class Config(Strict):
                 raise ValueError(f"experts.{eid}.owns is empty, but credit=per_expert needs a term")
         if self.experts.generator.model.kind == "tiny_dit" and self.task.image_size % self.experts.generator.model.patch:
             raise ValueError("task.image_size must be a multiple of experts.generator.model.patch")
+        return self
+
+    @model_validator(mode="after")
+    def _from_base(self):
+        """`experts.base`: every expert whose `init` is not set (not even to null) takes its file there."""
+        if self.experts.base is None:
+            return self
+        from driver.bases import init_files
+        try:
+            files = init_files(self, self.experts.base)
+        except ValueError as e:
+            raise ValueError(f"experts.base: {e}") from None
+        for name, spec in {**self.experts.sections(), "text_encoder": self.experts.text_encoder}.items():
+            if name in files and "init" not in spec.model_fields_set:
+                spec.init = str(files[name])
         return self
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
+from driver.checkpoint import sha256
 from driver.config import ConfigError, invalid
 from driver.overrides import flat
 from experts.families import FAMILIES
@@ -31,15 +32,30 @@ MODEL_OPTIONS = ("model", "processor", "clip_model", "tokenizer")
 
 
 def weights_file(path: str) -> None:
-    """An expert's weights: an existing safetensors file (weights are never unpickled)."""
+    """An expert's weights: an existing safetensors file (weights are never unpickled), whose
+    sha256 is the one in the manifest.json beside it if that lists it (a checkpoint, a base)."""
     if not Path(path).is_file():
         raise ValueError(f"no checkpoint file at '{path}'")
+    listed = listed_digest(Path(path))
+    if listed is not None and sha256(Path(path)) != listed:
+        raise ValueError(f"'{path}' is not the file its manifest.json lists (its sha256 differs): damaged or "
+                         f"replaced; make it again (`jointrl pretrain`, or the run that wrote it)")
     try:
         with safe_open(path, "pt") as f:
             f.keys()
     except Exception as e:  # safetensors raises its own error types for every kind of bad header
         raise ValueError(f"'{path}' is not a safetensors weights file ({type(e).__name__}: {e}); "
                          f"weights are never loaded through pickle") from None
+
+
+def listed_digest(path: Path) -> str | None:
+    """The sha256 the manifest.json beside `path` gives for it, if there is one."""
+    manifest = path.parent / "manifest.json"
+    try:
+        files = json.loads(manifest.read_text()).get("files", {}) if manifest.is_file() else {}
+    except (ValueError, AttributeError):
+        return None
+    return files.get(path.name) if isinstance(files, dict) else None
 
 
 def model_path(path: str) -> str:

@@ -35,21 +35,24 @@ def load_tree(source: str) -> dict:
         raise ConfigError(f"{where} is not valid YAML: {e}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{where} must hold a mapping of sections, not {type(tree).__name__}")
-    return with_prompt_paths(tree, folder)
+    return with_file_paths(tree, folder)
 
 
-def with_prompt_paths(tree: dict, folder) -> dict:
-    """`task.train` and `task.eval` given relative to the config file's folder, as absolute paths
-    (where such a file exists there), so the saved config names the same files from anywhere."""
-    task = tree.get("task")
-    if not isinstance(task, dict):
-        return tree
-
+def with_file_paths(tree: dict, folder) -> dict:
+    """`task.train`, `task.eval` and `experts.base` given relative to the config file's folder, as
+    absolute paths (where such a file exists there), so the saved config names the same files
+    from anywhere."""
     def placed(source):
         if not isinstance(source, str) or Path(source).is_absolute() or Path(source).exists():
             return source
         there = Path(str(folder.joinpath(source)))
         return str(there) if there.exists() else source
+    experts = tree.get("experts")
+    if isinstance(experts, dict) and "base" in experts:
+        tree = {**tree, "experts": {**experts, "base": placed(experts["base"])}}
+    task = tree.get("task")
+    if not isinstance(task, dict):
+        return tree
     task = dict(task)
     if "train" in task:
         task["train"] = placed(task["train"])

@@ -9,7 +9,6 @@ second call with the same config reuses the first's result.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -18,38 +17,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from driver.checkpoint import atomic_dir
+from driver.bases import base_dir, base_shaping, digest, refiner_dir, refiner_shaping
+from driver.checkpoint import atomic_dir, sha256
 from experts import state_file
 from experts.frontend import build_text_encoder
 from experts.kinds import build_model
 from experts.seeding import derive_seed
 from tasks.shapes import (BOS, CATEGORIES, EOS, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, WORD_TO_ID, Prompt,
                           make_prompt, paraphrase, render)
-
-FORMAT = 3  # bump when what a base holds changes
-
-
-def cache_key(config) -> str:
-    shaping = {"format": FORMAT, "vocab": VOCAB, "task": config.task.model_dump(),
-               "generator": config.experts.generator.model.model_dump(),
-               "text_encoder": config.experts.text_encoder.model_dump(exclude={"init"}),
-               "text_len": config.text_len(),
-               "details": [r.max_new_tokens for r in config.experts.refiners],
-               "pretrain": config.pretrain.model_dump(exclude={"out_dir", "threads", "refiner_steps", "refiner_lr"})}
-    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def base_dir(config) -> Path:
-    return Path(config.pretrain.out_dir) / f"base-{cache_key(config)}"
-
-
-def refiner_key(config, refiner) -> str:
-    shaping = {"format": FORMAT, "vocab": VOCAB, "model": refiner.model.model_dump(),
-               "max_new_tokens": refiner.max_new_tokens, "temperature": refiner.temperature,
-               "pretrain": config.pretrain.model_dump(include={"refiner_steps", "refiner_lr", "batch_size", "seed",
-                                                               "degraded_share"})}
-    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
-
 
 def detail_words(rng: np.random.Generator, degraded: bool, max_words: int) -> list[str]:
     """One segment of refinement-shaped text: 1 to `max_words` style words. Only clean images are
@@ -63,11 +38,24 @@ def detail_words(rng: np.random.Generator, degraded: bool, max_words: int) -> li
     return words
 
 
-def details(rng: np.random.Generator, degraded: bool, max_segments: int, max_words: int) -> list[int]:
+def segment_words(rng: np.random.Generator, prompt: Prompt, degraded: bool, max_words: int,
+                  restate_share: float) -> list[str]:
+    """`detail_words`, first restating one of the prompt's colours or shapes `restate_share` of the
+    time, as a rewriting LM restates the request before adding detail."""
+    words = detail_words(rng, degraded, max_words)
+    if rng.random() < restate_share:
+        said = sorted({w for o in prompt.objects for w in (o.colour, o.shape)})
+        words = [str(rng.choice(said)), *words][:max_words]
+    return words
+
+
+def details(rng: np.random.Generator, prompt: Prompt, degraded: bool, max_segments: int, max_words: int,
+            restate_share: float = 0.0) -> list[int]:
     """Half the captions get 1 to `max_segments` "<sep> words" segments after the prompt."""
     if rng.random() < 0.5:
         return []
-    segments = [detail_words(rng, degraded, max_words) for _ in range(rng.integers(1, max_segments + 1))]
+    segments = [segment_words(rng, prompt, degraded, max_words, restate_share)
+                for _ in range(rng.integers(1, max_segments + 1))]
     return [t for words in segments for t in (SEP, *(WORD_TO_ID[w] for w in words))]
 
 
@@ -78,15 +66,16 @@ def random_prompt(rng: np.random.Generator) -> Prompt:
 
 
 def caption_batch(rng: np.random.Generator, n: int, size: int, degraded_share: float = 0.0,
-                  max_segments: int = 0, max_words: int = 0):
+                  max_segments: int = 0, max_words: int = 0, restate_share: float = 0.0):
     """`n` rendered (caption ids, image in [-1, 1]) pairs over every category and wording; a
-    `degraded_share` of the images are degraded, and some captions carry style details."""
+    `degraded_share` of the images are degraded, and some captions carry details (`details`)."""
     ids, images = [], []
     for _ in range(n):
         p = random_prompt(rng)
         degraded = bool(rng.random() < degraded_share)
         images.append(render(p, rng, size, degraded))
-        ids.append([BOS, *p.ids, *(details(rng, degraded, max_segments, max_words) if max_segments else [])])
+        extra = details(rng, p, degraded, max_segments, max_words, restate_share) if max_segments else []
+        ids.append([BOS, *p.ids, *extra])
     images = np.stack(images).astype(np.float32) / 127.5 - 1.0
     width = max(map(len, ids))
     ids = torch.tensor([i + [PAD] * (width - len(i)) for i in ids])
@@ -108,7 +97,7 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
         return out, True
     pc = config.pretrain
     torch.set_num_threads(pc.threads)
-    generator, encoder = build_model(config, "generator"), build_text_encoder(config)
+    generator, encoder = build_model(config, "generator", fresh=True), build_text_encoder(config, fresh=True)
     ema = [copy.deepcopy(generator).requires_grad_(False), copy.deepcopy(encoder).requires_grad_(False)]
     params = [*generator.parameters(), *encoder.parameters()]
     optimizer = torch.optim.AdamW(params, lr=pc.lr, weight_decay=0.0)
@@ -120,7 +109,7 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
         for group in optimizer.param_groups:
             group["lr"] = pc.lr * 0.5 * (1 + math.cos(math.pi * it / pc.steps))
         batch = caption_batch(rng, pc.batch_size, config.task.image_size, pc.degraded_share,
-                              len(config.experts.refiners), max_words)
+                              len(config.experts.refiners), max_words, pc.restate_share)
         loss = flow_matching_loss(generator, encoder, *batch, gen)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -132,17 +121,21 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
                     q.lerp_(p, 1 - pc.ema)
         if it % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
-    save_base(out, {"generator": ema[0], "text_encoder": ema[1]}, {"key": cache_key(config), **pc.model_dump()})
+    shaping = base_shaping(config)
+    save_base(out, {"generator": ema[0], "text_encoder": ema[1]},
+              {"key": digest(shaping), "made_from": shaping, **pc.model_dump()})
     return out, False
 
 
-def refinement_batch(rng: np.random.Generator, n: int, degraded_share: float, max_new_tokens: int):
+def refinement_batch(rng: np.random.Generator, n: int, degraded_share: float, max_new_tokens: int,
+                     restate_share: float = 0.0):
     """`n` (prompt ids, refinement tokens ending in <eos>) pairs: the detail segments of the
-    pretraining captions, so a pretrained refiner writes what the base generator has seen."""
+    pretraining captions, so a pretrained refiner writes what the base generator has seen; a
+    `restate_share` of them first restate one of the prompt's colours or shapes."""
     prompts, tokens = [], []
     for _ in range(n):
         p = random_prompt(rng)
-        words = detail_words(rng, bool(rng.random() < degraded_share), max_new_tokens - 1)
+        words = segment_words(rng, p, bool(rng.random() < degraded_share), max_new_tokens - 1, restate_share)
         prompts.append(list(p.ids))
         tokens.append([*(WORD_TO_ID[w] for w in words), EOS] + [PAD] * (max_new_tokens - 1 - len(words)))
     return prompts, torch.tensor(tokens)
@@ -152,7 +145,7 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
     """Supervised start for a refiner (as PromptRL starts from an instruct LM): maximum likelihood
     of the captions' detail segments. Cached by a hash like the base; returns (file, reused)."""
     refiner = config.expert(expert_id)
-    out = Path(config.pretrain.out_dir) / f"refiner-{refiner_key(config, refiner)}"
+    out = refiner_dir(config, refiner)
     if (out / "manifest.json").is_file() and (out / "refiner.safetensors").is_file():
         return out / "refiner.safetensors", True
     pc = config.pretrain
@@ -162,13 +155,15 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
     rng = np.random.default_rng(derive_seed(pc.seed, "pretrain-refiner"))
     bar = tqdm(range(pc.refiner_steps), desc="refiner", unit="it", disable=not progress, mininterval=2.0)
     for _ in bar:
-        prompts, tokens = refinement_batch(rng, pc.batch_size, pc.degraded_share, refiner.max_new_tokens)
+        prompts, tokens = refinement_batch(rng, pc.batch_size, pc.degraded_share, refiner.max_new_tokens,
+                                           pc.restate_share)
         loss = -model.token_logprobs(prompts, tokens).sum() / (tokens != PAD).sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-    save_base(out, {"refiner": model}, {"key": refiner_key(config, refiner), "final_loss": loss.item()})
+    shaping = refiner_shaping(config, refiner)
+    save_base(out, {"refiner": model}, {"key": digest(shaping), "made_from": shaping, "final_loss": loss.item()})
     return out / "refiner.safetensors", False
 
 
@@ -186,8 +181,10 @@ def pretrain_all(config, progress: bool = True) -> tuple[list[str], bool]:
 
 
 def save_base(out: Path, models: dict, manifest: dict) -> None:
-    """Written like a checkpoint (temporary folder, then renamed): a base is whole or absent."""
+    """Written like a checkpoint (temporary folder, then renamed, a sha256 per file in
+    manifest.json): a base is whole or absent."""
     with atomic_dir(out) as tmp:
         for name, model in models.items():
             state_file.write(tmp, name, {k: v.numpy() for k, v in model.state_dict().items()})
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        files = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / "manifest.json").write_text(json.dumps({**manifest, "files": files}, indent=1))

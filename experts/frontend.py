@@ -15,11 +15,12 @@ from experts.text_encoder import CachedEncoder, TextEncoder
 from tasks.shapes import BOS, MAX_PROMPT_WORDS, SEP, VOCAB, known_ids
 
 
-def build_text_encoder(config) -> TextEncoder:
-    """The tiny DiT's frozen text encoder over the shapes vocabulary, at its `init` if given."""
+def build_text_encoder(config, fresh: bool = False) -> TextEncoder:
+    """The tiny DiT's frozen text encoder over the shapes vocabulary: seeded, then at its `init`
+    if given, unless `fresh`."""
     te = config.experts.text_encoder
     return seeded_model(config, "text_encoder", lambda: TextEncoder(len(VOCAB), te.d_model, te.n_layers, te.n_heads,
-                                                                    config.text_len()), te.init)
+                                                                    config.text_len()), None if fresh else te.init)
 
 
 class ShapesFrontEnd:

@@ -135,7 +135,7 @@ def test_unknown_config_lists_the_presets():
 
 
 def test_expert_ids_map_to_their_sections():
-    cfg = load_config("shapes", ["experts.n_refiners=2", "experts.refiner_1.lr=0.01"])
+    cfg = load_config("shapes", ["experts.base=null", "experts.n_refiners=2", "experts.refiner_1.lr=0.01"])
     assert cfg.experts.ids() == ["refiner_0", "refiner_1", "generator"]
     assert cfg.expert("refiner_1").lr == 0.01 and cfg.expert("generator") is cfg.experts.generator
     assert cfg.owners() == {"fidelity": ["refiner_0"], "style": ["refiner_1"]}

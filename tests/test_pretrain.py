@@ -5,7 +5,8 @@ import numpy as np
 import torch
 
 import driver.cli as cli
-from driver.pretrain import base_dir, caption_batch, flow_matching_loss, pretrain, pretrain_all
+from driver.bases import base_dir
+from driver.pretrain import caption_batch, flow_matching_loss, pretrain, pretrain_all
 from experts import state_file
 from experts.frontend import build_text_encoder
 from experts.kinds import build_model
@@ -43,10 +44,13 @@ def test_refiners_start_from_a_cached_supervised_base_that_writes_style_details(
     assert len({inits[f"experts.refiner_{i}.init"] for i in range(3)}) == 1   # one base per refiner spec
     started = make_config(*SMALL, *overrides, preset="shapes-tiny")
     model = build_model(started, "refiner_1")
-    prompts = [list(p.ids) for p in prompt_set(32, 0)]
+    asked = prompt_set(32, 0)
+    prompts = [list(p.ids) for p in asked]
     tokens, _, _ = model.sample(prompts, torch.rand(32, model.max_new_tokens, generator=torch.Generator().manual_seed(0)))
-    words = [VOCAB[t] for t in tokens.flatten().tolist() if t not in (PAD, EOS)]
-    assert sum(w in STYLE_WORDS for w in words) > 0.9 * len(words)            # what the captions' details hold
+    said = [(VOCAB[t], {w for o in p.objects for w in (o.colour, o.shape)}) for row, p in zip(tokens.tolist(), asked)
+            for t in row if t not in (PAD, EOS)]
+    # what the captions' details hold: style words, some restating one of the prompt's colours or shapes
+    assert sum(w in STYLE_WORDS or w in own for w, own in said) > 0.9 * len(said)
     assert (tokens == EOS).any(1).float().mean() > 0.9                      # and it stops by itself
     fresh = build_model(cfg, "refiner_1").state_dict()
     assert not all(torch.equal(v, fresh[k]) for k, v in model.state_dict().items())

@@ -105,7 +105,7 @@ def test_a_term_that_returns_a_dict_is_an_error_naming_it():
 def test_term_options_are_checked_with_the_config(term, says):
     """A built-in's by the schema, a plug-in's by preflight: a config error naming the term either way."""
     with pytest.raises(ConfigError, match=says) as e:
-        load_config("shapes", [f"reward.terms={{t: {term}}}".replace("'", "")])
+        load_config("shapes", [f"reward.terms={{t: {term}}}".replace("'", ""), "experts.generator.owns=null"])
     assert "reward.terms.t" in str(e.value)
 
 
@@ -113,6 +113,7 @@ def test_dotted_term_keys_change_a_term_and_keep_the_others_a_mapping_replaces_t
     kept = resolve_config("shapes", ["reward.terms.style.weight=0"])
     assert kept.reward.weights == {"image": 1.0, "fidelity": 0.5, "style": 0.0, "format": 0.5}
     replaced = resolve_config("shapes", ["reward.terms={image: {fn: shapes_image}, f: {fn: format}}"])
+    assert replaced.experts.generator.owns == ["image"]  # the preset's
     assert replaced.reward.weights == {"image": 1.0, "f": 1.0}
     assert [r.owns for r in replaced.experts.refiners] == [["f"]] * 3  # the only text term
     image_only = resolve_config("shapes", ["reward.terms={image: {fn: shapes_image}}", "algorithm.credit=shared"])

@@ -1,0 +1,98 @@
+"""Pretrained bases: what `jointrl pretrain` writes, named by a hash of everything that shapes it,
+and how a config starts from one (`experts.base`).
+
+A pretrain output folder holds `base-<hash>/` (the generator and its text encoder) and
+`refiner-<hash>/` (a refiner's supervised start), each with a manifest of its files' sha256 and
+of the settings its hash covers (`made_from`). A config with `experts.base` starts every expert
+whose `init` it does not set from the file made for exactly its settings; where the folder holds
+none, the error names the settings that differ.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from driver.overrides import flat
+from tasks.shapes import VOCAB
+
+FORMAT = 3  # bump when what a base holds changes
+
+
+def base_shaping(config) -> dict:
+    """Everything that shapes the base generator and text encoder."""
+    return {"format": FORMAT, "vocab": VOCAB, "task": config.task.model_dump(),
+            "generator": config.experts.generator.model.model_dump(),
+            "text_encoder": config.experts.text_encoder.model_dump(exclude={"init"}),
+            "text_len": config.text_len(),
+            "details": [r.max_new_tokens for r in config.experts.refiners],
+            "pretrain": config.pretrain.model_dump(exclude={"out_dir", "threads", "refiner_steps", "refiner_lr"})}
+
+
+def refiner_shaping(config, refiner) -> dict:
+    """Everything that shapes a refiner's supervised start."""
+    return {"format": FORMAT, "vocab": VOCAB, "model": refiner.model.model_dump(),
+            "max_new_tokens": refiner.max_new_tokens, "temperature": refiner.temperature,
+            "pretrain": config.pretrain.model_dump(include={"refiner_steps", "refiner_lr", "batch_size", "seed",
+                                                            "degraded_share", "restate_share"})}
+
+
+def digest(shaping: dict) -> str:
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def base_dir(config, out_dir: str | Path | None = None) -> Path:
+    """Where the base for `config` is (or goes) under `out_dir` (default `pretrain.out_dir`)."""
+    return Path(out_dir or config.pretrain.out_dir) / f"base-{digest(base_shaping(config))}"
+
+
+def refiner_dir(config, refiner, out_dir: str | Path | None = None) -> Path:
+    return Path(out_dir or config.pretrain.out_dir) / f"refiner-{digest(refiner_shaping(config, refiner))}"
+
+
+def init_files(config, out_dir: str | Path) -> dict[str, Path]:
+    """`experts.<id>.init` (and `experts.text_encoder.init`) for every expert, from the pretrain
+    output folder `out_dir`; a ValueError naming the settings that differ where it holds none."""
+    if not any(Path(out_dir).glob("*/manifest.json")):
+        raise ValueError(f"'{out_dir}' holds nothing `jointrl pretrain` made (no base-<hash>/ or "
+                         f"refiner-<hash>/ folder with its manifest.json); make one there with `jointrl pretrain "
+                         f"--set pretrain.out_dir={out_dir}`, or start from random weights with experts.base=null")
+    base = base_dir(config, out_dir)
+    files, problems = {}, []
+    if config.experts.generator.model.kind == "tiny_dit":  # a base holds tiny models only
+        files = {"generator": base / "generator.safetensors", "text_encoder": base / "text_encoder.safetensors"}
+    if files and not base.is_dir():
+        problems = [differences(out_dir, "base-", base_shaping(config), "the generator", {
+            "generator.": "experts.generator.model.", "text_encoder.": "experts.text_encoder.",
+            "text_len": "text_len (the prompt and every refiner's max_new_tokens)",
+            "details.": "the max_new_tokens of experts.refiner_"})]
+    for eid, refiner in config.experts.active_refiners().items():
+        if refiner.model.kind != "tiny_lm":
+            continue
+        folder = refiner_dir(config, refiner, out_dir)
+        files[eid] = folder / "refiner.safetensors"
+        if not folder.is_dir():
+            problems.append(differences(out_dir, "refiner-", refiner_shaping(config, refiner), eid,
+                                        {"model.": f"experts.{eid}.model.", "max_new_tokens": f"experts.{eid}.max_new_tokens",
+                                         "temperature": f"experts.{eid}.temperature"}))
+    if problems:
+        raise ValueError("; ".join(dict.fromkeys(problems)) + ". Make one with `jointrl pretrain` and these "
+                         "settings, or start from random weights with experts.base=null")
+    return files
+
+
+def differences(out_dir: str | Path, prefix: str, shaping: dict, what: str, keys: dict[str, str]) -> str:
+    """Why `out_dir` holds nothing for `what`: the settings in which its nearest one differs, by
+    their config keys (`keys`: the start of a setting's name -> the start of its key)."""
+    made = [json.loads(m.read_text()).get("made_from") for m in sorted(Path(out_dir).glob(f"{prefix}*/manifest.json"))]
+    made = [m for m in made if isinstance(m, dict)]
+    if not made:
+        return f"'{out_dir}' holds no pretrained {prefix.rstrip('-')} (for {what})"
+    want = flat(shaping)
+    nearest = min((flat(m) for m in made), key=lambda m: sum(m.get(k) != v for k, v in want.items()))
+    def key(name: str) -> str:
+        start = next((s for s in keys if name.startswith(s)), None)
+        return keys[start] + name[len(start):] if start else name
+    diff = [f"{key(k)} {nearest.get(k)!r} there, {v!r} here" for k, v in want.items() if nearest.get(k) != v]
+    return f"'{out_dir}' holds no pretrained {prefix.rstrip('-')} for {what}: it was made with " + ", ".join(diff)
+
