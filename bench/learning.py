@@ -71,7 +71,7 @@ def settings(args) -> dict:
 
 def ensure_base(overrides: list[str]) -> list[str]:
     """The one pretrained base (generator, text encoder, refiners) every method starts from."""
-    config = load_config("shapes", overrides)
+    config = load_config("shapes", ["experts.base=null", *overrides])  # the base made here, not the shipped one
     print(f"bench: base for {config.experts.n_refiners} refiners, {config.pretrain.steps} pretrain steps", flush=True)
     inits, reused = pretrain_all(config, progress=sys.stderr.isatty())
     print(f"bench: {'reusing' if reused else 'trained'} base: {' '.join(inits)}", flush=True)
@@ -243,7 +243,7 @@ def main() -> int:
     args = parse_args()
     s = settings(args)
     start = time.perf_counter()
-    base = ensure_base(s["base"] + args.overrides)
+    base = ["experts.base=null", *ensure_base(s["base"] + args.overrides)]
     overrides = [*s["base"], *base, *s["run"], *REFINERS, f"trainer.steps={s['steps']}", *args.overrides]
     jobs = [(m, seed) for seed in range(s["seeds"]) for m in METHODS]
     reused = sum(finished(s["work"] / f"{m}-seed{seed}", method_sets(overrides, m, seed)) for m, seed in jobs)
