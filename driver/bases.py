@@ -84,10 +84,10 @@ def init_files(config, out_dir: str | Path) -> dict[str, Path]:
 def differences(out_dir: str | Path, prefix: str, shaping: dict, what: str, keys: dict[str, str]) -> str:
     """Why `out_dir` holds nothing for `what`: the settings in which its nearest one differs, by
     their config keys (`keys`: the start of a setting's name -> the start of its key)."""
-    made = [json.loads(m.read_text()).get("made_from") for m in sorted(Path(out_dir).glob(f"{prefix}*/manifest.json"))]
-    made = [m for m in made if isinstance(m, dict)]
+    manifests = sorted(Path(out_dir).glob(f"{prefix}*/manifest.json"))
+    made = [m for m in map(made_from, manifests) if m is not None]
     if not made:
-        return f"'{out_dir}' holds no pretrained {prefix.rstrip('-')} (for {what})"
+        return f"'{out_dir}' holds no readable pretrained {prefix.rstrip('-')} (for {what})"
     want = flat(shaping)
     nearest = min((flat(m) for m in made), key=lambda m: sum(m.get(k) != v for k, v in want.items()))
     def key(name: str) -> str:
@@ -96,3 +96,12 @@ def differences(out_dir: str | Path, prefix: str, shaping: dict, what: str, keys
     diff = [f"{key(k)} {nearest.get(k)!r} there, {v!r} here" for k, v in want.items() if nearest.get(k) != v]
     return f"'{out_dir}' holds no pretrained {prefix.rstrip('-')} for {what}: it was made with " + ", ".join(diff)
 
+
+def made_from(manifest: Path) -> dict | None:
+    """The settings a manifest says its files were made from; None where it cannot be read (a
+    damaged or foreign manifest is no nearest candidate, and is checked when it is loaded)."""
+    try:
+        made = json.loads(manifest.read_text()).get("made_from")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return made if isinstance(made, dict) else None

@@ -5,6 +5,7 @@ Exit status 2 for a bad config or value (nothing is started), 1 if training fail
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -62,7 +63,19 @@ def config_error(error: ConfigError) -> int:
 
 
 def run_path(run_dir: str | None, preset: str) -> Path:
-    return Path(run_dir or f"runs/{Path(preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    """`run_dir`, or a new folder named after the preset and the time: claimed by creating it, with
+    a suffix where a run started in the same second has it already."""
+    if run_dir:
+        return Path(run_dir)
+    stem = Path("runs") / f"{Path(preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
 
 
 def prepare_run(config: Config, path: Path) -> Path:

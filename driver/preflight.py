@@ -49,12 +49,18 @@ def weights_file(path: str) -> None:
 
 
 def listed_digest(path: Path) -> str | None:
-    """The sha256 the manifest.json beside `path` gives for it, if there is one."""
+    """The sha256 the manifest.json beside `path` gives for it, if there is one; a manifest that is
+    not JSON is refused (damaged: nothing could tell whether the weights beside it are)."""
     manifest = path.parent / "manifest.json"
-    try:
-        files = json.loads(manifest.read_text()).get("files", {}) if manifest.is_file() else {}
-    except (ValueError, AttributeError):
+    if not manifest.is_file():
         return None
+    try:
+        listing = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"its manifest '{manifest}' cannot be read "
+                         f"({type(e).__name__}: {e}): damaged; make it again (`jointrl pretrain`, or the run "
+                         f"that wrote it)") from None
+    files = listing.get("files", {}) if isinstance(listing, dict) else {}
     return files.get(path.name) if isinstance(files, dict) else None
 
 

@@ -94,6 +94,15 @@ def test_one_run_per_folder(tmp_path):
     assert again.returncode == 2 and "already holds" in err and f"--resume {run_dir}" in err, err
 
 
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli.time, "strftime", lambda _: "20261205-080426")
+    paths = [cli.run_path(None, "configs/shapes.yaml") for _ in range(3)]
+    assert [str(p) for p in paths] == ["runs/shapes-20261205-080426", "runs/shapes-20261205-080426-2",
+                                       "runs/shapes-20261205-080426-3"]
+    assert all(p.is_dir() for p in paths) and cli.run_path("mine", "shapes") == Path("mine")
+
+
 def test_a_folder_left_by_a_run_that_never_started_is_not_reused(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text("trainer: {steps: 1}\n")
     assert cli.main(["train", "--config", "shapes-tiny", "--run-dir", str(tmp_path)]) == 2

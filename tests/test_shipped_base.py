@@ -78,6 +78,13 @@ def test_a_config_the_base_does_not_fit_is_refused_naming_the_key(tmp_path):
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
     with pytest.raises(ConfigError, match=r"experts\.generator\.init: .* \(its sha256 differs\)"):
         load_config("shapes", [f"experts.base={damaged}"])
+    (next(damaged.glob("refiner-*")) / "manifest.json").write_text("{not json")  # the nearest is the one left
+    with pytest.raises(ConfigError, match=r"experts\.generator\.model\.d_model 64 there, 32 here"):
+        load_config("shapes", [f"experts.base={damaged}", "experts.generator.model.d_model=32"])
+    with pytest.raises(ConfigError, match=r"holds no readable pretrained refiner \(for refiner_1\)"):
+        load_config("shapes", [f"experts.base={damaged}", "experts.refiner_1.model.d_model=16"])
+    with pytest.raises(ConfigError, match=r"experts\.refiner_0\.init: its manifest .*manifest\.json' cannot be read"):
+        load_config("shapes", [f"experts.base={damaged}"])
 
 
 def test_the_first_run_shows_progress_and_pictures_and_no_line_of_rays(tmp_path):
