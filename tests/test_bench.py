@@ -1,5 +1,6 @@
 """The benches run end to end and write their reports: `bench/learning.py --quick` (with its plot; not
 that anything wins) and `bench/rewards.py --quick`."""
+import json
 import re
 import subprocess
 import sys
@@ -20,20 +21,29 @@ def png_size(path: Path) -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_learning_bench_quick_writes_report_and_plot(tmp_path):
-    out = tmp_path / "results"
-    done = subprocess.run([sys.executable, "bench/learning.py", "--quick", "--seeds", "1", "--out", str(out), "--work",
-                           str(tmp_path / "runs"), "--set", f"pretrain.out_dir={tmp_path / 'pretrained'}"],
+    """Three of its methods, a few steps each, from the shipped base: every run's evaluations are in
+    its metrics, its lever measured on the frozen base, and the report's rows are those runs'."""
+    out, work = tmp_path / "results", tmp_path / "runs"
+    done = subprocess.run([sys.executable, "bench/learning.py", "--quick", "--out", str(out), "--work", str(work),
+                           "--methods", "promptrl_counterfactual", "per_expert"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = (out / "learning.md").read_text()
-    for method in ("generator_only", "prompt_only", "shared", "per_expert", "counterfactual"):
-        assert f"| {method} |" in report
-    assert "## Bars" in report and "nan" not in report
+    rows = {line.split(" | ")[0][2:]: line for line in report.splitlines() if line.startswith("| ") and "---" not in line}
+    assert list(rows)[1:] == ["generator_only", "promptrl_counterfactual", "per_expert"]
+    assert "## Bars" in report and "best joint method, promptrl_counterfactual" in report and "nan" not in report
+    for method in ("generator_only", "promptrl_counterfactual", "per_expert"):
+        metrics = [json.loads(line) for line in (work / f"{method}-seed0" / "metrics.jsonl").read_text().splitlines()]
+        mode = "unrefined" if method == "generator_only" else "refined"
+        evals = [r[f"eval/held_out/{mode}/image/strict"] for r in metrics if "eval/held_out/unrefined/image/strict" in r]
+        assert len(evals) == 2 and all(0 <= v <= 1 for v in evals)
+        lever = json.loads((work / f"{method}-seed0" / "lever.json").read_text())
+        assert ("trained_refiners" in lever) == (method != "generator_only")
+        start = lever["base_unrefined" if method == "generator_only" else "base_refiners"]["held_out"]
+        final = float(rows[method].split(" | ")[3])  # the mean of the last three points: the base, two evaluations
+        assert final == pytest.approx((start + sum(evals)) / 3, abs=5e-4)
     width, height = png_size(out / "learning.png")
-    assert width >= 600 and height >= 400
-    for run in (tmp_path / "runs").glob("*-seed*"):
-        if run.is_dir():
-            assert (run / "eval.json").is_file() and (run / "metrics.jsonl").is_file()
+    assert width >= 1000 and height >= 400
 
 
 def test_rewards_bench_quick_writes_both_ratios(tmp_path):

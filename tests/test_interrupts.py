@@ -57,7 +57,7 @@ def test_an_interrupt_checkpoints_and_the_resumed_run_equals_the_uninterrupted_o
     assert "Traceback" not in err and f"resume with: jointrl train --resume {run_dir}" in out
     done = len(rows(run_dir))
     assert 2 <= done < STEPS and (run_dir / "checkpoints" / f"step_{done:06d}" / "manifest.json").is_file()
-    resumed = start("train", "--resume", str(run_dir))
+    resumed = start("train", "--resume", str(run_dir), "--set", "cluster.mode=inline")  # Ray's resume: test_resume
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-2000:]
     assert_same_training(rows(run_dir), uninterrupted)
