@@ -59,6 +59,7 @@ METHODS = {
 }  # the generator owns the image term where credit is not shared: the other terms are not its doing
 HEADLINE = ("promptrl_shared", "promptrl_counterfactual")
 TEXT_STUDY = ("counterfactual", "per_expert", "shared")
+TRANSFER = ("prompt_only", "promptrl_shared", "promptrl_counterfactual")  # refiners paid by the image term
 # Every method with refiners keeps them nearer their supervised start than beta_LM=0.01 does
 # (measured: with 0.01 they drift, after ~700 rollouts, to words that cost image reward).
 REFINERS = [f"experts.refiner_{i}.kl_beta=0.1" for i in range(3)]
@@ -87,7 +88,10 @@ def parse_args():
     p.add_argument("--work", type=Path, default=None, help="where runs go (default: runs/bench-learning[-quick])")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override applied to every method (a method setting, not the benchmark)")
+    p.add_argument("--transfer-study", action="store_true",
+                   help="also evaluate generator-only's trained generator with each run's trained refiners")
     p.add_argument("--lever", type=Path, default=None, help=argparse.SUPPRESS)  # one run's lever (a subprocess)
+    p.add_argument("--transfer", type=Path, nargs="+", default=None, help=argparse.SUPPRESS)  # one seed's transfer
     return p.parse_args()
 
 
@@ -157,6 +161,54 @@ def measure_lever(run_dir: Path) -> None:
     (run_dir / "lever.json").write_text(json.dumps(out, indent=1))
 
 
+def measure_transfer(gen_run: Path, refiner_runs: list[Path]) -> None:
+    """transfer.json beside generator-only's run: its trained generator's strict accuracy on the
+    run's evaluation sets from the original prompts, from the base refiners' prompts and from each
+    of `refiner_runs`' trained refiners (same seed, so the same sets): whether what refiners learned
+    still helps a generator that has learned by itself, the question PromptRL's gain rests on."""
+    import torch
+
+    from driver.checkpoint import latest_weights
+    from driver.config import run_config
+    from experts.devices import local_device
+    from experts.pipeline import RolloutPipeline
+    from experts.weights import model_tensors
+    from tasks.evaluation import evaluate_sets
+    torch.set_num_threads(1)
+    config = run_config(refiner_runs[0], "--run", [])  # a config with refiners; models as generator-only's
+    config = config.model_copy(update={"evaluation": config.evaluation.model_copy(update={"refine": True})})
+    pipeline = RolloutPipeline(config, device=local_device())
+    _, weights = latest_weights(gen_run, ["generator"])
+    pipeline.load("generator", 1, model_tensors(pipeline.models["generator"], weights["generator"]))
+    sets = evaluate_sets(config, pipeline)
+    out = {"unrefined": {name: r["unrefined"][STRICT]["overall"] for name, r in sets.items()},
+           "base_refiners": {name: r["refined"][STRICT]["overall"] for name, r in sets.items()}}
+    refiners = list(config.experts.active_refiners())
+    for version, run in enumerate(refiner_runs, start=1):
+        _, weights = latest_weights(run, run_config(run, "--run", []).experts.ids())
+        for eid in refiners:
+            pipeline.load(eid, version, model_tensors(pipeline.models[eid], weights[eid]))
+        sets = evaluate_sets(config, pipeline)
+        out[run.name.rsplit("-seed", 1)[0]] = {name: r["refined"][STRICT]["overall"] for name, r in sets.items()}
+    (gen_run / "transfer.json").write_text(json.dumps(out, indent=1))
+
+
+def run_transfer(work: Path, seed: int, methods: list[str]) -> dict | None:
+    """The transfer measurement for one seed (a subprocess, one thread), reused when it has them all."""
+    gen_run, path = work / f"generator_only-seed{seed}", work / f"generator_only-seed{seed}" / "transfer.json"
+    methods = [m for m in methods if m in TRANSFER]
+    if not methods:
+        return None
+    if not (path.is_file() and set(methods) <= set(json.loads(path.read_text()))):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--transfer", str(gen_run),
+               *[str(work / f"{m}-seed{seed}") for m in methods]]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        with open(work / f"transfer-seed{seed}.log", "w") as out:
+            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode:
+                raise RuntimeError(f"the transfer measurement of seed {seed} failed; see {out.name}")
+    return json.loads(path.read_text())
+
+
 # --- what the runs measured --------------------------------------------------------------------- #
 
 def load(run_dir: Path, method: str) -> dict:
@@ -224,6 +276,8 @@ def summarise(runs: dict[str, dict[int, dict]]) -> tuple[dict, dict]:
             "reward": [float(r["reward"][-10:].mean()) for r in seeds.values()],
             "lever": [x["trained_refiners"]["held_out"] - x["base_refiners"]["held_out"] for x in lever
                       if "trained_refiners" in x],
+            "on_base": {source: [x[source]["held_out"] - x["base_unrefined"]["held_out"] for x in lever if source in x]
+                        for source in ("base_refiners", "trained_refiners")},
             "extra": [r["extra"] for r in seeds.values()], "step_s": [r["step_s"] for r in seeds.values()]}
         stats[method]["drop"] = [h - p for h, p in zip(stats[method]["held"], stats[method]["para"])]
     info = {"target": float(np.mean(list(target.values()))), "reference": mean_reach, "budget": budget,
@@ -266,7 +320,31 @@ def verdicts(stats: dict) -> list[str]:
     return lines
 
 
-def write_report(path: Path, stats: dict, info: dict, settings: dict) -> None:
+def transfer_section(transfer: dict[int, dict | None], stats: dict) -> list[str]:
+    """Generator-only's trained generator drawing from each source of prompts, beside the same
+    refiners' lever on the frozen base."""
+    seeds = [t for t in transfer.values() if t]
+    if not seeds:
+        return []
+    unrefined = np.array([t["unrefined"]["held_out"] for t in seeds])
+    lines = ["## Why: what refiners add to a generator that has learned", "",
+             f"Generator-only's trained generator (its final checkpoint; seeds: {len(seeds)}) drawing from each source "
+             "of prompts: strict held-out accuracy, and its gain over the same generator drawing from the original "
+             "prompts; beside it, the same prompts' gain on the frozen base generator (from the runs' lever.json).",
+             "", "| prompts from | trained generator: strict held-out | gain | base generator: gain |",
+             "|---|---|---|---|", f"| the original prompts | {fmt(unrefined)} | – | – |"]
+    for source in ("base_refiners", *TRANSFER):
+        if source not in seeds[0]:
+            continue
+        held = np.array([t[source]["held_out"] for t in seeds])
+        on_base = (next((stats[m]["on_base"]["base_refiners"] for m in TRANSFER if m in stats), [])
+                   if source == "base_refiners" else stats[source]["on_base"]["trained_refiners"])
+        name = "the base refiners" if source == "base_refiners" else f"{source}'s trained refiners"
+        lines.append(f"| {name} | {fmt(held)} | {fmt(held - unrefined)} | {fmt(on_base)} |")
+    return [*lines, ""]
+
+
+def write_report(path: Path, stats: dict, info: dict, settings: dict, transfer: dict | None = None) -> None:
     quick = " --quick" if settings["quick"] else ""
     lines = [f"# Learning benchmark: PromptRL's joint RL against generator-only Flow-GRPO{' (quick smoke run)' if quick else ''}",
              "", f"Written by `python bench/learning.py{quick}` on {settings['date']} in {settings['minutes']:.1f} min "
@@ -295,7 +373,7 @@ def write_report(path: Path, stats: dict, info: dict, settings: dict) -> None:
               "paraphrased. Refiners' lever: the frozen base generator's strict held-out accuracy from the "
               "trained refiners' prompts minus from the base refiners'. Extra generations: counterfactual "
               "regenerations (same noise, one refinement dropped), not counted in the rollout budget.", "",
-              "## Bars", "", *verdicts(stats), "", "## Methods", "",
+              "## Bars", "", *verdicts(stats), "", *transfer_section(transfer or {}, stats), "## Methods", "",
               *[f"- {m}: `{' '.join(METHODS[m])}`" for m in stats],
               f"- every method with refiners: `{' '.join(REFINERS)}`",
               f"- the benchmark's settings on every method: `{' '.join(settings['bench'])}`",
@@ -342,6 +420,9 @@ def main() -> int:
     if args.lever:
         measure_lever(args.lever)
         return 0
+    if args.transfer:
+        measure_transfer(args.transfer[0], args.transfer[1:])
+        return 0
     start = time.perf_counter()
     seeds = args.seeds or (1 if args.quick else 5)
     bench = QUICK if args.quick else BENCH
@@ -357,13 +438,14 @@ def main() -> int:
     for (m, seed), d in zip(jobs, dirs):
         runs[m][seed] = load(d, m)
     stats, info = summarise(runs)
+    transfer = {seed: run_transfer(work, seed, methods) for seed in range(seeds)} if args.transfer_study else {}
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {"quick": args.quick, "runs": len(jobs), "reused": reused, "date": time.strftime("%Y-%m-%d"),
                 "minutes": (time.perf_counter() - start) / 60, "seeds": seeds, "steps": config.trainer.steps,
                 "per_step": config.trainer.prompts_per_step * config.algorithm.group_size,
                 "per_category": config.evaluation.per_category, "every": config.evaluation.every, "bench": bench, "overrides": args.overrides,
                 "base": Path(config.experts.generator.init).parent.name}
-    write_report(args.out / "learning.md", stats, info, settings)
+    write_report(args.out / "learning.md", stats, info, settings, transfer)
     plot(args.out / "learning.png", runs, info)
     print((args.out / "learning.md").read_text())
     print(f"bench: wrote {args.out / 'learning.md'} and {args.out / 'learning.png'}")

@@ -22,26 +22,39 @@ def png_size(path: Path) -> tuple[int, int]:
 @pytest.mark.slow
 def test_learning_bench_quick_writes_report_and_plot(tmp_path):
     """Three of its methods, a few steps each, from the shipped base: every run's evaluations are in
-    its metrics, its lever measured on the frozen base, and the report's rows are those runs'."""
+    its metrics, its lever measured on the frozen base, and the report's rows are those runs'; the
+    transfer study draws generator-only's final generator from the original prompts as its last
+    evaluation did."""
     out, work = tmp_path / "results", tmp_path / "runs"
     done = subprocess.run([sys.executable, "bench/learning.py", "--quick", "--out", str(out), "--work", str(work),
-                           "--methods", "promptrl_counterfactual", "per_expert"],
+                           "--methods", "promptrl_counterfactual", "per_expert", "--transfer-study"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = (out / "learning.md").read_text()
-    rows = {line.split(" | ")[0][2:]: line for line in report.splitlines() if line.startswith("| ") and "---" not in line}
-    assert list(rows)[1:] == ["generator_only", "promptrl_counterfactual", "per_expert"]
+    lines = report.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| method |"))
+    table = [[cell.strip() for cell in line.strip("|").split("|")]
+             for line in lines[first:lines.index("", first)] if "---" not in line]
+    header, rows = table[0], {row[0]: row for row in table[1:]}
+    assert list(rows) == ["generator_only", "promptrl_counterfactual", "per_expert"]
     assert "## Bars" in report and "best joint method, promptrl_counterfactual" in report and "nan" not in report
+    evals_of = {}
     for method in ("generator_only", "promptrl_counterfactual", "per_expert"):
         metrics = [json.loads(line) for line in (work / f"{method}-seed0" / "metrics.jsonl").read_text().splitlines()]
         mode = "unrefined" if method == "generator_only" else "refined"
         evals = [r[f"eval/held_out/{mode}/image/strict"] for r in metrics if "eval/held_out/unrefined/image/strict" in r]
         assert len(evals) == 2 and all(0 <= v <= 1 for v in evals)
+        evals_of[method] = evals
         lever = json.loads((work / f"{method}-seed0" / "lever.json").read_text())
         assert ("trained_refiners" in lever) == (method != "generator_only")
         start = lever["base_unrefined" if method == "generator_only" else "base_refiners"]["held_out"]
-        final = float(rows[method].split(" | ")[3])  # the mean of the last three points: the base, two evaluations
+        # the mean of the last three points: the base, two evaluations
+        final = float(rows[method][header.index("final strict held-out")])
         assert final == pytest.approx((start + sum(evals)) / 3, abs=5e-4)
+    transfer = json.loads((work / "generator_only-seed0" / "transfer.json").read_text())
+    assert set(transfer) == {"unrefined", "base_refiners", "promptrl_counterfactual"}  # per_expert: text terms
+    assert transfer["unrefined"]["held_out"] == pytest.approx(evals_of["generator_only"][-1], abs=1e-9)
+    assert "| promptrl_counterfactual's trained refiners |" in report
     width, height = png_size(out / "learning.png")
     assert width >= 1000 and height >= 400
 

@@ -145,7 +145,8 @@ def test_ray_job_stop_checkpoints_the_last_completed_step(head, tmp_path):
 
 
 def test_a_client_without_token_auth_is_told_what_it_needs(head, tmp_path):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    # Ray retries a refused connection once a second, 20 times by default: 2 tell the same story
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_NUM_REDIS_GET_RETRIES": "2"}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, "-m", "driver", "train", "--config", "shapes-tiny", "--set",
                            f"cluster.address=127.0.0.1:{head['gcs_port']}", "--run-dir", str(tmp_path / "run")],

@@ -20,9 +20,9 @@ def own_gain(rows, expert_id, window=10):
 
 @pytest.fixture(scope="module")
 def per_expert_run(tmp_path_factory, ray_session):
-    """30 steps of the default preset, synchronous (the shared-credit run below has its rollouts one
+    """24 steps of the default preset, synchronous (the shared-credit run below has its rollouts one
     step ahead of the updates)."""
-    cfg = make_config("trainer.steps=30")
+    cfg = make_config("trainer.steps=24")
     return cfg, *run_training(cfg, tmp_path_factory.mktemp("per_expert"), inspect_weights=("generator",))
 
 
@@ -36,7 +36,7 @@ def test_three_refiners_plus_generator_all_learn_with_per_expert_credit(per_expe
     assert any(not np.array_equal(weights["generator"][k], v.numpy()) for k, v in init.items())
     assert all(0.5 < r["ppo/ratio_mean"] < 2.0 for r in rows)
     assert {e: v["version"] for e, v in info["experts"].items()} == \
-        {"refiner_0": 30, "refiner_1": 30, "refiner_2": 30, "generator": 30}
+        {"refiner_0": 24, "refiner_1": 24, "refiner_2": 24, "generator": 24}
 
 
 @pytest.mark.slow
@@ -54,12 +54,12 @@ def test_text_encoder_stays_at_v0_and_its_cache_keeps_hitting_across_syncs(per_e
 @pytest.mark.slow
 def test_shared_credit_runs_and_versions_stay_independent(tmp_path):
     """Shared credit, experts updated at their own cadence, and rollouts one step ahead of the updates."""
-    cfg = make_config("trainer.steps=30", "algorithm.credit=shared", "experts.refiner_1.update_every=2",
+    cfg = make_config("trainer.steps=20", "algorithm.credit=shared", "experts.refiner_1.update_every=2",
                       "experts.generator.update_every=3", "cluster.max_staleness=1")
     rows, info, _ = run_training(cfg, tmp_path)
     assert rows[-1]["credit"] == "shared"
     versions = {e: v["version"] for e, v in info["experts"].items()}
-    assert versions == {"refiner_0": 30, "refiner_1": 15, "refiner_2": 30, "generator": 10}
+    assert versions == {"refiner_0": 20, "refiner_1": 10, "refiner_2": 20, "generator": 7}
     assert [r["version/refiner_1"] for r in rows[:4]] == [1, 1, 2, 2]  # skipped steps keep the version
     assert all(w == {**versions, "text_encoder": 0} for w in info["workers"])
     assert info["registry"] == versions
@@ -67,9 +67,9 @@ def test_shared_credit_runs_and_versions_stay_independent(tmp_path):
     assert max(own_gain(rows, f"refiner_{i}") for i in range(3)) > 0.1
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_scales_to_n_refiners(n, tmp_path):
-    cfg = make_config(f"experts.n_refiners={n}", "trainer.steps=1", preset="shapes-tiny")
+@pytest.mark.parametrize("n, mode", [(1, "inline"), (4, "ray")])
+def test_scales_to_n_refiners(n, mode, tmp_path):
+    cfg = make_config(f"experts.n_refiners={n}", "trainer.steps=1", f"cluster.mode={mode}", preset="shapes-tiny")
     rows, info, _ = run_training(cfg, tmp_path)
     ids = [f"refiner_{i}" for i in range(n)] + ["generator"]
     assert rows[0]["n_experts"] == n + 1
@@ -89,7 +89,7 @@ def test_generator_only_spawns_no_refiner_and_refines_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_prompt_only_freezes_generator_and_refiners_still_learn(tmp_path):
-    cfg = make_config("trainer.steps=30", "experts.generator.train=false")
+    cfg = make_config("trainer.steps=24", "experts.generator.train=false")
     rows, info, weights = run_training(cfg, tmp_path, inspect_weights=("generator",))
     init = build_model(cfg, "generator").state_dict()
     assert all(np.array_equal(weights["generator"][k], v.numpy()) for k, v in init.items())

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import driver.cli as cli
-from tests.conftest import assert_same_training, looks_like_a_picture, make_config, run_killing, run_training
+from tests.conftest import assert_same_training, looks_like_a_picture, make_config, run_training
 
 STEPS = 3
 SCORED = ["reward.terms.sharpness={fn: tasks.scorers:sharpness, weight: 0.2}"]
@@ -29,14 +29,6 @@ def test_a_reward_actor_pool_scores_as_the_workers_would(logged_run, tmp_path):
     inline, _, _ = run_training(config("cluster.mode=inline", "cluster.rollout_workers=1"), tmp_path)
     assert_same_training(rows, inline)
     assert all(0.0 < r["reward/sharpness"] < 1.0 for r in rows)
-
-
-def test_a_killed_reward_actor_is_waited_for_and_asked_again(logged_run, tmp_path):
-    _, reference = logged_run
-    rows, _ = run_killing(config("reward.terms.sharpness.actors=1", "trainer.steps=5"), tmp_path, [(1, "reward/sharpness/0")])
-    assert [r["step"] for r in rows] == list(range(5))
-    assert_same_training(rows[:STEPS], reference)
-    assert all(r["faults/dropped_samples"] == 0 for r in rows)
 
 
 def test_tensorboard_events_hold_every_metric_and_the_samples(logged_run):

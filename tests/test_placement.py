@@ -43,15 +43,15 @@ def test_demand_groups_experts_and_workers_as_configured():
 @pytest.mark.parametrize("colocate", [True, False])
 def test_bundles_are_reserved_used_and_given_back(ray_session, tmp_path, colocate):
     name = f"placed-{colocate}"
-    cfg = make_config(*[f"experts.{e}.{QUARTER}" for e in ("refiner_0", "refiner_1", "refiner_2", "generator")],
+    cfg = make_config("experts.n_refiners=1", *[f"experts.{e}.{QUARTER}" for e in ("refiner_0", "generator")],
                       f"cluster.rollout_{QUARTER}", f"cluster.colocate={colocate}", f"trainer.run_name={name}",
-                      "trainer.steps=2", preset="shapes-tiny")
+                      "trainer.steps=1", preset="shapes-tiny")
     free = free_cpus_once_settled()
     driver = start_driver(cfg, tmp_path)
     get(driver.run.remote())
     want = {f"{name}/actors"} if colocate else {f"{name}/experts", f"{name}/rollout"}
     assert groups_of(name) == {g: "CREATED" for g in want}
-    assert ray.available_resources()["CPU"] == pytest.approx(free - 5 * 0.25)  # 4 experts + 1 worker, reserved
+    assert ray.available_resources()["CPU"] == pytest.approx(free - 3 * 0.25)  # 2 experts + 1 worker, reserved
     stop_driver(driver)
     assert groups_of(name) == {g: "REMOVED" for g in want}
 

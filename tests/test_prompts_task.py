@@ -46,7 +46,8 @@ def test_ray_with_two_reward_pools_and_a_killed_reward_actor_equals_inline(inlin
     _, inline = inline_run
     cfg = make_config(*STEPS, "cluster.rollout_workers=2", preset="prompts-tiny")
     assert cfg.reward.pools().keys() == {"geneval", "pickscore"}
-    rows, _ = run_killing(cfg, tmp_path / "ray", [(1, "reward/geneval/0")])
+    rows, _ = run_killing(cfg, tmp_path / "ray", [(1, "reward/geneval/0")])  # its pool's only actor: waited for
+    assert all(r["faults/dropped_samples"] == 0 for r in rows)                  # and asked again
     assert_same_training(rows, inline, tol=1e-5)  # two workers split the batch: updates round apart by
     # ~1e-7, which PickScore's logit scale (x100/26) carries into the evaluation's scores
 
