@@ -27,10 +27,13 @@ the base refiners' (and from the original prompt).
 The benchmark's settings (BENCH) were fixed from generator-only's curve alone, before any joint
 method was compared; bench/results/learning.md says why each is what it is. Usage:
   python bench/learning.py [--quick] [--seeds 5] [--methods generator_only ...] [--jobs 2]
+Tuning a method (bench/results/learning_tuning.md): `--tune KEY=VALUE` changes the methods run but
+not generator-only, the reference, whose runs are reused; tuned runs have their own folders.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -88,29 +91,42 @@ def parse_args():
     p.add_argument("--work", type=Path, default=None, help="where runs go (default: runs/bench-learning[-quick])")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override applied to every method (a method setting, not the benchmark)")
+    p.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override of the methods run, not of generator-only (the reference, reused)")
     p.add_argument("--transfer-study", action="store_true",
                    help="also evaluate generator-only's trained generator with each run's trained refiners")
     p.add_argument("--lever", type=Path, default=None, help=argparse.SUPPRESS)  # one run's lever (a subprocess)
     p.add_argument("--transfer", type=Path, nargs="+", default=None, help=argparse.SUPPRESS)  # one seed's transfer
-    return p.parse_args()
+    args = p.parse_args()
+    if args.tune and args.transfer_study:
+        p.error("--transfer-study measures the benchmark's runs, not tuned ones: run it without --tune")
+    return args
 
 
-def method_sets(overrides: list[str], method: str, seed: int) -> list[str]:
-    refiners = [] if method == "generator_only" else REFINERS
-    return [*overrides, *refiners, *METHODS[method], f"trainer.seed={seed}", "cluster.mode=inline"]
+def method_sets(overrides: list[str], method: str, seed: int, tune: list[str]) -> list[str]:
+    """A run's overrides: the benchmark's, the method's, then `tune` (not for generator-only)."""
+    if method == "generator_only":
+        return [*overrides, *METHODS[method], f"trainer.seed={seed}", "cluster.mode=inline"]
+    return [*overrides, *REFINERS, *METHODS[method], *tune, f"trainer.seed={seed}", "cluster.mode=inline"]
 
 
-def run_one(method: str, seed: int, overrides: list[str], work: Path) -> Path:
+def run_path(work: Path, method: str, seed: int, tune: list[str]) -> Path:
+    """A run's folder: a tuned method's carries a hash of its `tune` (its bench_sets.json lists them)."""
+    tag = f"+{hashlib.sha256(json.dumps(tune).encode()).hexdigest()[:8]}" if tune and method != "generator_only" else ""
+    return work / f"{method}{tag}-seed{seed}"
+
+
+def run_one(method: str, seed: int, overrides: list[str], tune: list[str], work: Path) -> Path:
     """Train with the CLI (inline, one thread; the evaluations are in its metrics), then measure the
     refiners' lever in a subprocess; a finished run made with the same settings is reused."""
-    run_dir = work / f"{method}-seed{seed}"
-    sets = method_sets(overrides, method, seed)
+    run_dir = run_path(work, method, seed, tune)
+    sets = method_sets(overrides, method, seed, tune)
     if finished(run_dir, sets):
         return run_dir
     if run_dir.exists():
         shutil.rmtree(run_dir)  # unfinished, or made with other settings
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    log = work / f"{method}-seed{seed}.log"
+    log = run_dir.with_name(run_dir.name + ".log")
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     train = [sys.executable, "-m", "driver", "train", "--config", "shapes", "--run-dir", str(run_dir),
@@ -312,12 +328,28 @@ def verdicts(stats: dict) -> list[str]:
     lines.append(f"- largest spread over seeds of a method's x: {spread:.2f} (the benchmark asks for < 0.25): "
                  f"{'met' if spread < 0.25 else 'missed'}; of its x {int(GAIN * 100)}%: {gain:.2f}")
     if all(m in stats for m in TEXT_STUDY):
-        cf, pe, sh = (ratio[m][0] for m in TEXT_STUDY)
-        noise = max(ratio[m][1] for m in TEXT_STUDY)
-        lines.append(f"- text-term study, fewer rollouts is better: counterfactual {cf:.2f}x, per_expert {pe:.2f}x, "
-                     f"shared {sh:.2f}x (spread up to {noise:.2f}); counterfactual <= per_expert < shared: "
-                     f"{'met' if cf <= pe < sh else 'missed'}")
+        lines.append(text_study_verdict(stats))
     return lines
+
+
+def text_study_verdict(stats: dict) -> str:
+    """counterfactual >= per_expert > shared, each pair compared by the first measure that can tell
+    it apart: rollouts to generator-only's final accuracy, else (where neither of the two reaches
+    it on any seed, both x being the capped budget) to 80% of its gain, else final strict held-out."""
+    measures = [("x generator-only", "ratio", "missed", -1), (f"x {int(GAIN * 100)}%", "ratio_gain", "missed_gain", -1),
+                ("final strict held-out", "held", None, 1)]
+
+    def compare(a: str, b: str) -> tuple[bool, str]:
+        """(a is at least as good as b, the values it was decided on)."""
+        name, key, missed, sign = next(m for m in measures if m[2] is None
+                                       or any(stats[x][m[2]] < len(stats[x][m[1]]) for x in (a, b)))
+        shown = " against ".join(f"{x} {fmt(stats[x][key], 3 if missed is None else 2, stats[x][missed] if missed else 0)}"
+                                 for x in (a, b))
+        return sign * np.mean(stats[a][key]) >= sign * np.mean(stats[b][key]), f"by {name}, {shown}"
+    cf_pe, cf_pe_on = compare("counterfactual", "per_expert")
+    sh_pe, pe_sh_on = compare("shared", "per_expert")  # per_expert > shared: shared not at least as good
+    return (f"- text-term study, counterfactual >= per_expert > shared: {'met' if cf_pe and not sh_pe else 'missed'} "
+            f"({cf_pe_on}; {pe_sh_on})")
 
 
 def transfer_section(transfer: dict[int, dict | None], stats: dict) -> list[str]:
@@ -346,8 +378,9 @@ def transfer_section(transfer: dict[int, dict | None], stats: dict) -> list[str]
 
 def write_report(path: Path, stats: dict, info: dict, settings: dict, transfer: dict | None = None) -> None:
     quick = " --quick" if settings["quick"] else ""
+    flags = quick + " --transfer-study" * bool(transfer) + "".join(f" --tune {t}" for t in settings["tune"])
     lines = [f"# Learning benchmark: PromptRL's joint RL against generator-only Flow-GRPO{' (quick smoke run)' if quick else ''}",
-             "", f"Written by `python bench/learning.py{quick}` on {settings['date']} in {settings['minutes']:.1f} min "
+             "", f"Written by `python bench/learning.py{flags}` on {settings['date']} in {settings['minutes']:.1f} min "
              f"({settings['reused']} of {settings['runs']} runs reused from an earlier invocation). "
              f"{settings['seeds']} seeds per method, {settings['steps']} steps of {settings['per_step']} rollouts "
              f"each ({settings['steps'] * settings['per_step']} per run), all from the base `{settings['base']}`; "
@@ -377,7 +410,8 @@ def write_report(path: Path, stats: dict, info: dict, settings: dict, transfer: 
               *[f"- {m}: `{' '.join(METHODS[m])}`" for m in stats],
               f"- every method with refiners: `{' '.join(REFINERS)}`",
               f"- the benchmark's settings on every method: `{' '.join(settings['bench'])}`",
-              f"- overrides on every method: `{' '.join(settings['overrides']) or 'none'}`", ""]
+              f"- overrides on every method: `{' '.join(settings['overrides']) or 'none'}`",
+              f"- tuned (every method but generator-only): `{' '.join(settings['tune']) or 'none'}`", ""]
     path.write_text("\n".join(lines))
 
 
@@ -390,26 +424,37 @@ def trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def plot(path: Path, runs: dict[str, dict[int, dict]], info: dict) -> None:
+    """Strict held-out accuracy against rollouts (the headline methods, then the text-term study,
+    each beside generator-only; band: min-max over seeds), and training reward/image."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
+    groups = [("PromptRL's claim", [m for m in runs if m not in TEXT_STUDY]),
+              ("the text-term credit study", ["generator_only", *[m for m in runs if m in TEXT_STUDY]])]
+    groups = [g for g in groups if len(g[1]) > 1] or groups[:1]
+    fig, axes = plt.subplots(1, len(groups) + 1, figsize=(6 * (len(groups) + 1), 4.5), dpi=110)
+    colour = {m: f"C{i}" for i, m in enumerate(runs)}
+    for ax, (title, methods) in zip(axes, groups):
+        for method in methods:
+            seeds = runs[method]
+            x = next(iter(seeds.values()))["rollouts"]
+            curves = np.stack([used(r) for r in seeds.values()])
+            ax.plot(x, curves.mean(0), label=method, marker=".", color=colour[method])
+            ax.fill_between(x, curves.min(0), curves.max(0), color=colour[method], alpha=0.08)
+        ax.axhline(info["target"], color="grey", ls="--", lw=1, label="generator-only final")
+        ax.set_xlabel("rollouts (training images)")
+        ax.set_ylabel("strict held-out accuracy (as used)")
+        ax.set_title(f"{title}: held-out strict accuracy", fontsize=10)
+        ax.legend(fontsize=7, loc="lower right")
+    bx = axes[-1]
     for method, seeds in runs.items():
-        x = next(iter(seeds.values()))["rollouts"]
-        curves = np.stack([used(r) for r in seeds.values()])
-        line, = ax.plot(x, curves.mean(0), label=method, marker=".")
-        ax.fill_between(x, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.12)
         steps = np.stack([r["reward"] for r in seeds.values()]).mean(0)
-        bx.plot(next(iter(seeds.values()))["step_rollouts"], trailing_mean(steps, 10), color=line.get_color(),
+        bx.plot(next(iter(seeds.values()))["step_rollouts"], trailing_mean(steps, 10), color=colour[method],
                 label=method)
-    ax.axhline(info["target"], color="grey", ls="--", lw=1, label="generator-only final")
-    ax.set_xlabel("rollouts (training images)")
-    ax.set_ylabel("strict held-out accuracy (as used)")
-    ax.set_title("held-out strict accuracy (band: min-max over seeds)")
-    ax.legend(fontsize=7)
     bx.set_xlabel("rollouts (training images)")
     bx.set_ylabel("reward/image (trailing 10-step mean, mean over seeds)")
-    bx.set_title("training reward/image")
+    bx.set_title("training reward/image", fontsize=10)
+    bx.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -428,12 +473,13 @@ def main() -> int:
     bench = QUICK if args.quick else BENCH
     work = args.work or ROOT / "runs" / ("bench-learning-quick" if args.quick else "bench-learning")
     overrides = [*bench, *args.overrides]
-    config = load_config("shapes", overrides)  # a bad override is refused before anything runs
+    config = load_config("shapes", [*overrides, *args.tune])  # a bad override is refused before anything runs
     methods = ["generator_only", *[m for m in args.methods if m != "generator_only"]]
     jobs = [(m, seed) for seed in range(seeds) for m in methods]
-    reused = sum(finished(work / f"{m}-seed{seed}", method_sets(overrides, m, seed)) for m, seed in jobs)
+    reused = sum(finished(run_path(work, m, seed, args.tune), method_sets(overrides, m, seed, args.tune))
+                 for m, seed in jobs)
     with ThreadPoolExecutor(args.jobs) as pool:
-        dirs = list(pool.map(lambda job: run_one(*job, overrides, work), jobs))
+        dirs = list(pool.map(lambda job: run_one(*job, overrides, args.tune, work), jobs))
     runs: dict[str, dict[int, dict]] = {m: {} for m in methods}
     for (m, seed), d in zip(jobs, dirs):
         runs[m][seed] = load(d, m)
@@ -444,6 +490,7 @@ def main() -> int:
                 "minutes": (time.perf_counter() - start) / 60, "seeds": seeds, "steps": config.trainer.steps,
                 "per_step": config.trainer.prompts_per_step * config.algorithm.group_size,
                 "per_category": config.evaluation.per_category, "every": config.evaluation.every, "bench": bench, "overrides": args.overrides,
+                "tune": args.tune,
                 "base": Path(config.experts.generator.init).parent.name}
     write_report(args.out / "learning.md", stats, info, settings, transfer)
     plot(args.out / "learning.png", runs, info)

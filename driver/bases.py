@@ -30,9 +30,10 @@ def base_shaping(config) -> dict:
 
 
 def refiner_shaping(config, refiner) -> dict:
-    """Everything that shapes a refiner's supervised start."""
+    """Everything that shapes a refiner's supervised start (not its sampling temperature: the start
+    is learnt at temperature 1, as a pretrained LM's weights are, and sampled at any)."""
     return {"format": FORMAT, "vocab": VOCAB, "model": refiner.model.model_dump(),
-            "max_new_tokens": refiner.max_new_tokens, "temperature": refiner.temperature,
+            "max_new_tokens": refiner.max_new_tokens,
             "pretrain": config.pretrain.model_dump(include={"refiner_steps", "refiner_lr", "batch_size", "seed",
                                                             "degraded_share", "restate_share"})}
 
@@ -73,8 +74,7 @@ def init_files(config, out_dir: str | Path) -> dict[str, Path]:
         files[eid] = folder / "refiner.safetensors"
         if not folder.is_dir():
             problems.append(differences(out_dir, "refiner-", refiner_shaping(config, refiner), eid,
-                                        {"model.": f"experts.{eid}.model.", "max_new_tokens": f"experts.{eid}.max_new_tokens",
-                                         "temperature": f"experts.{eid}.temperature"}))
+                                        {"model.": f"experts.{eid}.model.", "max_new_tokens": f"experts.{eid}.max_new_tokens"}))
     if problems:
         raise ValueError("; ".join(dict.fromkeys(problems)) + ". Make one with `jointrl pretrain` and these "
                          "settings, or start from random weights with experts.base=null")
@@ -94,6 +94,7 @@ def differences(out_dir: str | Path, prefix: str, shaping: dict, what: str, keys
         start = next((s for s in keys if name.startswith(s)), None)
         return keys[start] + name[len(start):] if start else name
     diff = [f"{key(k)} {nearest.get(k)!r} there, {v!r} here" for k, v in want.items() if nearest.get(k) != v]
+    diff += [f"{key(k)} {v!r} there, not a setting here" for k, v in nearest.items() if k not in want]
     return f"'{out_dir}' holds no pretrained {prefix.rstrip('-')} for {what}: it was made with " + ", ".join(diff)
 
 

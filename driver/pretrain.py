@@ -151,6 +151,7 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
     pc = config.pretrain
     torch.set_num_threads(pc.threads)
     model = build_model(config, expert_id, fresh=True)
+    model.temperature = 1.0  # the data's likelihood at temperature 1; `temperature` is how it is sampled
     optimizer = torch.optim.AdamW(model.parameters(), lr=pc.refiner_lr, weight_decay=0.0)
     rng = np.random.default_rng(derive_seed(pc.seed, "pretrain-refiner"))
     bar = tqdm(range(pc.refiner_steps), desc="refiner", unit="it", disable=not progress, mininterval=2.0)

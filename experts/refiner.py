@@ -54,7 +54,9 @@ class RefinerConfig(Strict):
                                                         "model; 0: none")
     clip_eps: PositiveFloat = Field(0.2, description="PPO clip of the probability ratio to the rollout's log-probs")
     max_new_tokens: PositiveInt = Field(6, ge=2, description="most tokens the refiner adds to a prompt")
-    temperature: PositiveFloat = Field(1.0, description="sampling temperature of the refinement tokens")
+    temperature: PositiveFloat = Field(1.0, description="sampling temperature of the refinement tokens, "
+                                             "and of their log-probs in the loss; a pretrained start "
+                                             "(experts.base) is the same at every temperature")
     init: str | None = Field(None, description="a safetensors checkpoint to start from (`jointrl pretrain` "
                                                "writes one); None: the model's own initial weights")
     resources: Resources = Field(Resources(), description="what this expert's actor (each rank's) reserves from Ray")

@@ -57,6 +57,41 @@ def test_learning_bench_quick_writes_report_and_plot(tmp_path):
     assert "| promptrl_counterfactual's trained refiners |" in report
     width, height = png_size(out / "learning.png")
     assert width >= 1000 and height >= 400
+    # tuning a method: generator-only, the reference, is reused; the tuned runs have their own folder
+    untuned = (work / "promptrl_counterfactual-seed0" / "metrics.jsonl").read_bytes()
+    tune = ["--tune", "experts.refiner_0.lr=0.001", "--methods", "promptrl_counterfactual"]
+    done = subprocess.run([sys.executable, "bench/learning.py", "--quick", "--out", str(tmp_path / "tuned"),
+                           "--work", str(work), *tune], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "(1 of 2 runs reused" in (tmp_path / "tuned" / "learning.md").read_text()
+    tuned = next(work.glob("promptrl_counterfactual+*-seed0"))
+    assert "experts.refiner_0.lr=0.001" in json.loads((tuned / "bench_sets.json").read_text())
+    assert (work / "promptrl_counterfactual-seed0" / "metrics.jsonl").read_bytes() == untuned
+    refused = subprocess.run([sys.executable, "bench/learning.py", "--quick", *tune, "--transfer-study"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--transfer-study" in refused.stderr
+
+
+def test_the_text_study_verdict_compares_each_pair_by_a_measure_that_tells_them_apart():
+    """Where neither of two methods reaches generator-only's final accuracy, their x are both the
+    capped budget: the pair is compared by x 80%, and where that is capped too, by final accuracy."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from learning import text_study_verdict
+
+    def method(ratio, missed, gain, missed_gain, held):
+        return {"ratio": ratio, "missed": missed, "ratio_gain": gain, "missed_gain": missed_gain, "held": held}
+    capped = [1.5, 1.5]
+    stats = {"counterfactual": method(capped, 2, [1.0, 2.0], 1, [0.80, 0.82]),
+             "per_expert": method(capped, 2, [3.0, 3.0], 2, [0.78, 0.80]),
+             "shared": method(capped, 2, [3.0, 3.0], 2, [0.75, 0.77])}
+    verdict = text_study_verdict(stats)
+    assert verdict.startswith("- text-term study, counterfactual >= per_expert > shared: met")
+    assert "by x 80%, counterfactual >= 1.50" in verdict and "by final strict held-out, shared 0.760" in verdict
+    stats["shared"]["held"] = [0.80, 0.80]  # shared ahead where both are capped: missed
+    assert ": missed (" in text_study_verdict(stats)
+    stats["per_expert"] = method([1.0, 1.5], 1, [1.0, 1.0], 0, [0.9, 0.9])  # per_expert reaches: x decides
+    verdict = text_study_verdict(stats)
+    assert ": met (" not in verdict and "by x generator-only, counterfactual >= 1.50 ± 0.00 (2/2" in verdict
 
 
 def test_rewards_bench_quick_writes_both_ratios(tmp_path):

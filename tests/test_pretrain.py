@@ -37,11 +37,13 @@ def test_pretrain_caches_by_config_hash_and_train_starts_from_it(tmp_path):
 
 
 def test_refiners_start_from_a_cached_supervised_base_that_writes_style_details(tmp_path):
-    cfg = make_config(*SMALL, "pretrain.refiner_steps=150", f"pretrain.out_dir={tmp_path}", preset="shapes-tiny")
+    cfg = make_config(*SMALL, "pretrain.refiner_steps=150", f"pretrain.out_dir={tmp_path}",
+                      "experts.refiner_2.temperature=0.7", preset="shapes-tiny")
     overrides, reused = pretrain_all(cfg, progress=False)
     assert not reused and pretrain_all(cfg, progress=False) == (overrides, True)
     inits = dict(o.split("=", 1) for o in overrides)
-    assert len({inits[f"experts.refiner_{i}.init"] for i in range(3)}) == 1   # one base per refiner spec
+    assert len({inits[f"experts.refiner_{i}.init"] for i in range(3)}) == 1   # one base per refiner model,
+    # whatever temperature each samples at
     started = make_config(*SMALL, *overrides, preset="shapes-tiny")
     model = build_model(started, "refiner_1")
     asked = prompt_set(32, 0)

@@ -70,6 +70,8 @@ def test_a_config_the_base_does_not_fit_is_refused_naming_the_key(tmp_path):
         load_config("shapes", ["experts.refiner_1.model.d_model=16"])
     random = load_config("shapes", ["experts.base=null"])
     assert random.experts.generator.init is None and all(r.init is None for r in random.experts.refiners)
+    hotter = load_config("shapes", ["experts.refiner_0.temperature=0.7"])  # how it samples, not its weights
+    assert hotter.experts.refiners[0].init == hotter.experts.refiners[1].init
     one = load_config("shapes", ["experts.refiner_0.init=null"])
     assert one.experts.refiners[0].init is None and one.experts.refiners[1].init and one.experts.generator.init
     damaged = tmp_path / "bases"
