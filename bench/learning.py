@@ -347,9 +347,9 @@ def text_study_verdict(stats: dict) -> str:
                                  for x in (a, b))
         return sign * np.mean(stats[a][key]) >= sign * np.mean(stats[b][key]), f"by {name}, {shown}"
     cf_pe, cf_pe_on = compare("counterfactual", "per_expert")
-    sh_pe, pe_sh_on = compare("shared", "per_expert")  # per_expert > shared: shared not at least as good
+    sh_pe, sh_pe_on = compare("shared", "per_expert")  # per_expert > shared: shared not at least as good
     return (f"- text-term study, counterfactual >= per_expert > shared: {'met' if cf_pe and not sh_pe else 'missed'} "
-            f"({cf_pe_on}; {pe_sh_on})")
+            f"({cf_pe_on}; {sh_pe_on})")
 
 
 def transfer_section(transfer: dict[int, dict | None], stats: dict) -> list[str]:

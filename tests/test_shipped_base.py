@@ -76,6 +76,14 @@ def test_a_config_the_base_does_not_fit_is_refused_naming_the_key(tmp_path):
     assert one.experts.refiners[0].init is None and one.experts.refiners[1].init and one.experts.generator.init
     damaged = tmp_path / "bases"
     shutil.copytree(SHIPPED, damaged)
+    older = next(damaged.glob("refiner-*"))  # made with a setting this version no longer asks for
+    manifest = json.loads((older / "manifest.json").read_text())
+    manifest["made_from"]["temperature"] = 1.0
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    older.rename(older.with_name("refiner-older"))
+    with pytest.raises(ConfigError, match=r"refiner_0: it was made with temperature 1\.0 there, not a setting here"):
+        load_config("shapes", [f"experts.base={damaged}"])
+    older.with_name("refiner-older").rename(older)
     weights = next(damaged.glob("base-*")) / "generator.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
     with pytest.raises(ConfigError, match=r"experts\.generator\.init: .* \(its sha256 differs\)"):
