@@ -165,6 +165,34 @@ class ClusterConfig(Strict):
                                                         "restores its state")
 
 
+class RolloutConfig(Strict):
+    """How a rollout worker pushes its share of a step through its models."""
+    batch_size: PositiveInt | None = Field(None, description="samples a rollout worker refines, encodes, samples "
+                                           "(twice that many through the transformer under classifier-free "
+                                           "guidance), decodes and scores at once: its share of a step goes "
+                                           "through in chunks of this many, drawing the same images and "
+                                           "log-probs as at once; None: the whole share at once")
+    text_cache_mb: NonNegativeFloat = Field(256.0, description="bound on a rollout worker's cache of text "
+                                            "features (kept in the text encoder's dtype), in MiB; the least "
+                                            "recently used are evicted first; 0: no cache")
+
+
+class PlanTarget(Strict):
+    """The cluster a config is planned for when neither `jointrl plan`'s flags nor a connected Ray
+    cluster say otherwise."""
+    nodes: PositiveInt = Field(1, description="nodes of the cluster")
+    gpus_per_node: NonNegativeInt = Field(8, description="GPUs on each node")
+    gpu_memory_gb: PositiveFloat = Field(80.0, description="memory of each GPU, in GB (10^9 bytes)")
+
+
+class PlanConfig(Strict):
+    """`jointrl plan`: the memory plan of a config from its models' real architectures."""
+    target: PlanTarget = Field(PlanTarget(), description="the cluster the config is planned for by default")
+    headroom_gb: NonNegativeFloat = Field(4.0, description="GB of each GPU the plan leaves free for what it "
+                                          "does not count (the CUDA context, allocator fragmentation, "
+                                          "communication buffers)")
+
+
 class RewardConfig(Strict):
     """The reward: named terms, each scored by a built-in or a plug-in, summed with their weights."""
     terms: dict[str, TermConfig] | None = Field(None, description="the named reward terms, "
@@ -283,7 +311,9 @@ class Config(Strict):
     cluster: ClusterConfig = Field(ClusterConfig(), description="Ray: actors, placement and weight sync")
     reward: RewardConfig = Field(RewardConfig(), description="the reward function and its terms' weights")
     task: TaskConfig = Field(TaskConfig(), description="the task and its image size")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="how rollout workers batch their share of a step")
     evaluation: EvaluationConfig = Field(EvaluationConfig(), description="`jointrl eval`'s held-out set")
+    plan: PlanConfig = Field(PlanConfig(), description="`jointrl plan`: the cluster a config is planned for")
     pretrain: PretrainConfig = Field(PretrainConfig(), description="`jointrl pretrain` of the base models")
     logging: LoggingConfig = Field(LoggingConfig(), description="metrics and images besides metrics.jsonl")
 

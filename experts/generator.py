@@ -38,6 +38,8 @@ class DiffusersFlowConfig(Strict):
                                                         "transformers and peft)")
     path: str = Field(description="a local pipeline directory (with model_index.json) or a hub id 'org/name', "
                                   "fetched when loaded")
+    revision: str | None = Field(None, description="the hub revision to load (a branch, tag or commit hash; pin "
+                                                   "a commit for runs that repeat); None: the default branch")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute")
     guidance_scale: float = Field(1.0, ge=1.0, description="> 1: true classifier-free guidance against the empty "
                                                            "prompt (SD3's and FLUX.2 klein's guidance_scale, "

@@ -33,6 +33,8 @@ class HFCausalLMConfig(Strict):
                                                       "transformers and peft)")
     path: str = Field(description="a local model directory (with config.json) or a hub id 'org/name', "
                                   "fetched when loaded")
+    revision: str | None = Field(None, description="the hub revision to load (a branch, tag or commit hash; pin "
+                                                   "a commit for runs that repeat); None: the default branch")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute")
     system_prompt: str = Field("Rewrite the user's image prompt into a more detailed one. Think briefly, then give "
                                "the new prompt inside <answer></answer>.",
@@ -57,6 +59,9 @@ class RefinerConfig(Strict):
     temperature: PositiveFloat = Field(1.0, description="sampling temperature of the refinement tokens, "
                                              "and of their log-probs in the loss; a pretrained start "
                                              "(experts.base) is the same at every temperature")
+    micro_batch: PositiveInt | None = Field(None, description="sequences per backward pass of the update (the "
+                                                              "same loss and gradient in parts); None: all of "
+                                                              "the step's at once")
     init: str | None = Field(None, description="a safetensors checkpoint to start from (`jointrl pretrain` "
                                                "writes one); None: the model's own initial weights")
     resources: Resources = Field(Resources(), description="what this expert's actor (each rank's) reserves from Ray")
