@@ -1,12 +1,14 @@
 """The `ocr` and `vqa_score` reward terms: their formulas against the references, re-implemented here
-from the sources (Flow-GRPO's `flow_grpo/ocr.py`, VQAScore's P("Yes")), and the scorers on tiny random
-TrOCR and Qwen2-VL models: shape, range, determinism, batching, and the VLM's inputs against
-`Qwen2VLProcessor`'s own."""
+from the sources (Flow-GRPO's `flow_grpo/ocr.py`, VQAScore's P("Yes")); the OCR term on real weights
+(PP-OCRv4, shipped in the rapidocr-onnxruntime wheel) reading phrases rendered with PIL; and the
+scorers on tiny random TrOCR, Qwen2-VL and Qwen2.5-VL models: shape, range, determinism, batching,
+and the VLM's inputs against the models' own processors."""
 from __future__ import annotations
 
 import functools
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +30,8 @@ TEXTS = ["a red circle", "two blue squares left of a cat on a long wooden bench"
 
 def make(name: str, **options):
     cls = resolve(name)
-    return cls(cls.Options(model={"ocr": "tiny:trocr", "vqa_score": "tiny:qwen2_vl"}[name], **options), CPU)
+    defaults = {"ocr": {"reader": "trocr", "model": "tiny:trocr"}, "vqa_score": {"model": "tiny:qwen2_vl"}}[name]
+    return cls(cls.Options(**{**defaults, **options}), CPU)
 
 
 def score(scorer, images, texts):
@@ -128,6 +131,99 @@ def test_tiny_builders_are_seeded(builder, tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+# --- OCR on real weights: PP-OCRv4 through rapidocr ----------------------------------------------
+
+PHRASES = ["OPEN 24 HOURS", "Hello World", "SPRING SALE", "Fresh Coffee", "NASA 2049", "Night Market"]
+# (font size in px, where, background) for each phrase in turn: small to large, corners to centre
+LAYOUTS = [(22, ("left", "top"), "plain"), (40, ("centre", "middle"), "busy"), (56, ("right", "bottom"), "plain"),
+           (30, ("left", "bottom"), "busy"), (34, ("centre", "top"), "plain"), (48, ("right", "middle"), "busy")]
+SIDE = 384
+
+
+def busy_background(rng) -> "Image.Image":
+    """Forty random ellipses and rectangles of random colours over a random colour."""
+    from PIL import Image, ImageDraw
+    image = Image.new("RGB", (SIDE, SIDE), tuple(int(c) for c in rng.integers(0, 256, 3)))
+    draw = ImageDraw.Draw(image)
+    for _ in range(40):
+        x, y = rng.integers(-SIDE // 4, SIDE, 2)
+        w, h = rng.integers(SIDE // 16, SIDE // 2, 2)
+        shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
+        shape((int(x), int(y), int(x + w), int(y + h)), fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    return image
+
+
+def rendered(text: str, size: int, where: tuple[str, str], background: str, rng) -> np.ndarray:
+    """`text` in DejaVu Sans (matplotlib's copy, so every machine has it) as a generator image
+    (3, SIDE, SIDE) in [-1, 1]: dark on a plain light background, or white outlined in black on a
+    busy one."""
+    import matplotlib
+    from PIL import Image, ImageDraw, ImageFont
+    font = ImageFont.truetype(str(Path(matplotlib.get_data_path()) / "fonts/ttf/DejaVuSans.ttf"), size)
+    image = busy_background(rng) if background == "busy" else Image.new("RGB", (SIDE, SIDE), (235, 230, 220))
+    draw = ImageDraw.Draw(image)
+    x0, y0, x1, y1 = draw.textbbox((0, 0), text, font=font)
+    x = {"left": 12, "centre": (SIDE - (x1 - x0)) // 2, "right": SIDE - (x1 - x0) - 12}[where[0]]
+    y = {"top": 12, "middle": (SIDE - (y1 - y0)) // 2, "bottom": SIDE - (y1 - y0) - 20}[where[1]]
+    if background == "busy":
+        draw.text((x, y), text, font=font, fill="white", stroke_width=max(2, size // 12), stroke_fill="black")
+    else:
+        draw.text((x, y), text, font=font, fill=(20, 20, 20))
+    return np.asarray(image, dtype=np.float32).transpose(2, 0, 1) / 127.5 - 1
+
+
+@pytest.fixture(scope="module")
+def paddle():
+    pytest.importorskip("rapidocr_onnxruntime", reason="the ocr extra: rapidocr-onnxruntime (Python < 3.13)")
+    return resolve("ocr")(resolve("ocr").Options(threads=1), CPU)
+
+
+@pytest.fixture(scope="module")
+def phrases():
+    rng = np.random.default_rng(0)
+    return np.stack([rendered(t, *LAYOUTS[i % len(LAYOUTS)], rng) for i, t in enumerate(PHRASES)])
+
+
+def test_ocr_reads_rendered_phrases_with_real_weights(paddle, phrases):
+    right = score(paddle, phrases, [f'a sign that reads "{t}"' for t in PHRASES])
+    other = score(paddle, phrases, [f'a sign that reads "{PHRASES[(i + 1) % len(PHRASES)]}"' for i in range(len(PHRASES))])
+    noise = score(paddle, np.random.default_rng(1).uniform(-1, 1, (2, 3, SIDE, SIDE)).astype(np.float32),
+                  ['"OPEN 24 HOURS"', '"Hello World"'])
+    assert right.mean() >= 0.9, (right, paddle.read(phrases))
+    assert other.max() <= 0.4, other
+    assert noise.max() <= 0.1, noise
+
+
+def test_ocr_reader_is_set_as_paddleocr_reads(paddle):
+    engine = paddle.reader.engine
+    post = engine.text_det.postprocess_op
+    assert (post.thresh, post.box_thresh, post.unclip_ratio, post.dilation_kernel) == (0.3, 0.6, 1.5, None)
+    assert list(engine.text_det.mean) == [0.485, 0.456, 0.406] and engine.text_score == 0.5
+    assert not engine.use_cls and engine.text_det.limit_type == "max"
+
+
+def test_a_failed_read_scores_zero_and_is_logged(paddle, phrases, monkeypatch, caplog):
+    engine, calls = paddle.reader.engine, []
+    def flaky(image):
+        calls.append(image)
+        if len(calls) == 2:
+            raise RuntimeError("box geometry")
+        return engine(image)
+    monkeypatch.setattr(paddle.reader, "engine", flaky)
+    with caplog.at_level("WARNING", logger="jointrl.reward"):
+        scores = score(paddle, phrases[:2], [f'"{t}"' for t in PHRASES[:2]])
+    assert scores[0] > 0.9 and scores[1] == 0 and "box geometry" in caplog.text
+
+
+def test_ocr_options_belong_to_their_reader():
+    options = resolve("ocr").Options
+    with pytest.raises(ValueError, match="reader=trocr"):
+        options(model="microsoft/trocr-base-printed")
+    with pytest.raises(ValueError, match="rapidocr"):
+        options(reader="trocr", det_model="det.onnx")
+    assert options(reader="trocr").reader == "trocr" and options().det_model is None
+
+
 # --- OCR on the tiny TrOCR -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -163,8 +259,8 @@ def test_ocr_contract(ocr, images):
 
 def test_ocr_one_generate_per_batch(ocr, images, monkeypatch):
     calls = []
-    generate = ocr.model.generate
-    monkeypatch.setattr(ocr.model, "generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
+    generate = ocr.reader.model.generate
+    monkeypatch.setattr(ocr.reader.model, "generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
     score(ocr, images, [f'"{t}"' for t in TEXTS])
     assert len(calls) == 2  # 4 images in batches of 3
 

@@ -41,7 +41,8 @@ class Options(Strict):
 
 class RewardModel:
     """A built-in reward term. Subclasses set `default_model` (the hub id loaded when `model` is
-    unset), `packages` (what it imports; preflight names the extra to install) and `Options`."""
+    unset), `packages` (what it imports; preflight names the extra to install, `imports` where
+    that depends on the options) and `Options`."""
     Options = Options
     default_model: str | None = None
     packages: tuple[str, ...] = ()
@@ -49,6 +50,11 @@ class RewardModel:
 
     def __init__(self, options: Options, device: torch.device):
         self.options, self.device = options, device
+
+    @classmethod
+    def imports(cls, options: Options) -> tuple[str, ...]:
+        """The packages scoring with `options` imports."""
+        return cls.packages
 
     @property
     def model_name(self) -> str | None:
