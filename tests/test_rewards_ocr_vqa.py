@@ -21,7 +21,7 @@ from tasks.rewards import resolve
 from tasks.rewards.base import pil_images
 from tasks.rewards.ocr import ocr_reward, quoted
 from tasks.rewards.tiny.ocr import tiny_trocr
-from tasks.rewards.tiny.vqa import tiny_qwen2_vl
+from tasks.rewards.tiny.vqa import tiny_qwen2_5_vl, tiny_qwen2_vl
 from tasks.rewards.vqa import VQAScoreOptions, yes_probability
 
 CPU = torch.device("cpu")
@@ -122,7 +122,7 @@ def test_question_needs_the_prompt():
 
 # --- the tiny models -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("builder", [tiny_trocr, tiny_qwen2_vl])
+@pytest.mark.parametrize("builder", [tiny_trocr, tiny_qwen2_vl, tiny_qwen2_5_vl])
 def test_tiny_builders_are_seeded(builder, tmp_path):
     start = time.perf_counter()
     weights = [load_file(builder(tmp_path / str(i)) / "model.safetensors") for i in range(2)]
@@ -270,42 +270,58 @@ def test_ocr_refuses_prompts_without_quotes(ocr, images):
         score(ocr, images[:2], ['"fine"', "no quotes here"])
 
 
-# --- VQAScore on the tiny Qwen2-VL ---------------------------------------------------------------
+# --- VQAScore on the tiny Qwen2-VL and Qwen2.5-VL ------------------------------------------------
 
-@pytest.fixture(scope="module")
-def vqa():
-    return make("vqa_score", batch_size=3)
+VLMS = {"tiny:qwen2_vl": "Qwen2VLProcessor", "tiny:qwen2_5_vl": "Qwen2_5_VLProcessor"}
 
 
-def qwen2_vl_processor(path: str):
-    """The model's own `Qwen2VLProcessor`, for images only. transformers 5 checks that its video
-    processor is one, which needs torchvision (not installed here); the check alone is skipped."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+@pytest.fixture(scope="module", params=list(VLMS))
+def vqa(request):
+    return make("vqa_score", model=request.param, batch_size=3)
+
+
+def vl_processor(model: str):
+    """The model's own processor (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`), for images only.
+    transformers 5 checks that its video processor is one, which needs torchvision (not installed
+    here); the check alone is skipped."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.processing_utils import ProcessorMixin
+    path = local_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: type(arg))
-        return Qwen2VLProcessor(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=tokenizer,
-                                video_processor=None, chat_template=tokenizer.chat_template)
+        return getattr(transformers, VLMS[model])(image_processor=AutoImageProcessor.from_pretrained(path),
+                                                  tokenizer=tokenizer, video_processor=None,
+                                                  chat_template=tokenizer.chat_template)
+
+
+def test_vqa_loads_either_family(vqa):
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+    wanted = {"tiny:qwen2_vl": Qwen2VLForConditionalGeneration, "tiny:qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
+    assert type(vqa.model) is wanted[vqa.options.model]
+    with pytest.raises(ValueError, match="model_type 'clip'; vqa_score loads qwen2_vl or qwen2_5_vl"):
+        make("vqa_score", model="tiny:clip")
 
 
 def test_vqa_contract(vqa, images):
+    model = vqa.options.model
     scores = score(vqa, images, TEXTS)
     assert scores.shape == (len(TEXTS),) and scores.dtype == np.float64
     assert ((0 < scores) & (scores < 1)).all()
     np.testing.assert_array_equal(scores, score(vqa, images, TEXTS))
-    single = make("vqa_score", batch_size=1)  # prompts of different lengths: left padding must not matter
+    single = make("vqa_score", model=model, batch_size=1)  # prompts of different lengths: left padding must not matter
     np.testing.assert_allclose(scores, score(single, images, TEXTS), rtol=1e-5, atol=1e-9)
     assert len(set(scores.round(8))) == len(TEXTS)
     assert not np.allclose(scores[:-1], score(vqa, images[1:], TEXTS[:-1]))  # other images
-    yes_no = score(make("vqa_score", over="yes_no"), images, TEXTS)
+    yes_no = score(make("vqa_score", model=model, over="yes_no"), images, TEXTS)
     assert ((0 < yes_no) & (yes_no < 1)).all() and (yes_no > scores).all()
 
 
 def test_vqa_is_the_models_p_yes(vqa, images):
     """P(Yes) for one sample in a batch is what a plain forward pass of the model gives on the inputs
-    `Qwen2VLProcessor` makes from the chat template, the question and the image."""
-    processor = qwen2_vl_processor(local_model("tiny:qwen2_vl"))
+    the model's own processor makes from the chat template, the question and the image."""
+    processor = vl_processor(vqa.options.model)
     i = 1  # the longest prompt: the others in its batch are left-padded
     chat = [{"role": "user", "content": [{"type": "image"},
                                          {"type": "text", "text": f'Does this figure show "{TEXTS[i]}"? '
@@ -331,5 +347,5 @@ def test_vqa_one_forward_per_batch(vqa, images):
 
 
 def test_vqa_question_option(vqa, images):
-    other = make("vqa_score", question="Is {prompt} in this picture? Answer Yes or No.")
+    other = make("vqa_score", model=vqa.options.model, question="Is {prompt} in this picture? Answer Yes or No.")
     assert not np.allclose(score(vqa, images, TEXTS), score(other, images, TEXTS))
