@@ -47,6 +47,7 @@ class RewardModel:
     default_model: str | None = None
     packages: tuple[str, ...] = ()
     needs_images = True  # False: a text term, scored on refinements alone
+    prompt_files = True  # False: it scores its own task's prompt records only, not prompts read from a file
 
     def __init__(self, options: Options, device: torch.device):
         self.options, self.device = options, device
