@@ -18,9 +18,9 @@ import torch
 
 from algorithm.batch import Sample
 from algorithm.sde import sample, sde_steps
+from common.seeding import generator
 from experts.frontend import build_frontend
 from experts.kinds import build_model
-from experts.seeding import generator
 from experts.weights import load
 from tasks import build_task
 from tasks.base import Refinement, to_uint8

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from experts.spec import Strict
+from common.config import Strict
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images
 from tasks.rewards.clip import ClipEncoder, features, unit

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from pydantic import Field, NonNegativeInt, model_validator
 
-from experts.hub import local_model
+from common.hub import local_model
 from tasks.base import Refinement, to_uint8
 from tasks.rewards.base import Options, RewardModel, pil_images
 
