@@ -29,6 +29,8 @@ The reward (`__call__`) is a partial credit to train on, one of two (`partial`):
   and, when the colour is right, 1 for a position that holds, 0 when its target clause failed, and
   0 *then* 1 when a relation fails (the source appends 1 after its loop whatever the loop found).
   Exclude clauses are not read. "two clocks" with 0 or 4 found scores 0, with 1 or 3 found 0.5.
+  (`strict` stays GenEval's: what Flow-GRPO logs as `accuracy`; its `strict_accuracy` is
+  `evaluate_reward`'s own verdict, exact counts and colours, which no term here reports.)
 
 References: github djghosh13/geneval at af4902f, `evaluation/evaluate_images.py` (cited below by
 line), and Flow-GRPO's GenEval reward (github yifan123/flow_grpo at ac4c86e,
