@@ -12,7 +12,7 @@ LAYOUTS = [(22, ("left", "top"), "plain"), (40, ("centre", "middle"), "busy"), (
 SIDE = 384
 
 
-def busy_background(rng) -> "Image.Image":
+def busy_background(rng):
     """Forty random ellipses and rectangles of random colours over a random colour."""
     from PIL import Image, ImageDraw
     image = Image.new("RGB", (SIDE, SIDE), tuple(int(c) for c in rng.integers(0, 256, 3)))
