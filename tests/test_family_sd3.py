@@ -37,17 +37,19 @@ def test_train_cfg_false_updates_the_conditional_velocity_alone():
     """experts.generator.train_cfg=false: the update's batch carries no empty-prompt conditioning,
     so the velocity it trains is the conditional one, though sampling was guided."""
     from experts.kinds import expert_kind
+    from experts.trajectories import split_shared, trajectories
     from tasks.base import TextPrompt
     config = family_config(local_model("tiny:sd3"), "experts.generator.model.guidance_scale=3.0",
                            "experts.generator.train_cfg=false")
     velocity, frontend = parts(config)
     cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
     assert any(k.startswith("negative_") for k in cond)
-    shard = {"states": torch.zeros(3, STEPS + 1, *frontend.latent_shape).numpy(), "logps": torch.zeros(3, STEPS).numpy(),
-             "cond": {k: v.numpy() for k, v in cond.items()}, "sigmas": frontend.sigmas(STEPS).numpy(),
-             "sde": torch.ones(STEPS, dtype=torch.bool).numpy()}
+    positive, negative = split_shared(cond)
+    shard = trajectories(torch.zeros(3, STEPS + 1, *frontend.latent_shape), torch.arange(STEPS + 1),
+                         torch.zeros(3, STEPS), positive, negative, frontend.sigmas(STEPS),
+                         torch.ones(STEPS, dtype=torch.bool))
     merged = expert_kind(config, "generator").merge(velocity, [shard], torch.device("cpu"))
-    assert set(merged["cond"]) == {k for k in cond if not k.startswith("negative_")}
+    assert set(merged["cond"]) == set(positive) and merged["shared_cond"] == {}
     x, sigma = torch.randn(3, *frontend.latent_shape), torch.full((3,), 0.5)
     with torch.no_grad():
         conditional = velocity.velocity(x, sigma, merged["cond"])

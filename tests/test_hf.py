@@ -95,9 +95,12 @@ def test_sd3_generator_log_probs_match_and_the_text_cache_hits(models):
     cfg = hf_config(models)
     worker, experts, items = worker_batch(cfg)
     meta, trajectories, _ = worker.run(0, items)
-    assert trajectories["sde"].tolist() == [True, True, False, False]
-    assert (trajectories["logps"][:, 2:] == 0).all() and (trajectories["logps"][:, :2] != 0).all()
-    assert set(trajectories["cond"]) == {"prompt_embeds", "pooled", "negative_prompt_embeds", "negative_pooled"}
+    assert trajectories.sde.tolist() == [True, True, False, False]
+    assert (trajectories.logps[:, 2:] == 0).all() and (trajectories.logps[:, :2] != 0).all()
+    assert trajectories.state_steps.tolist() == [0, 1, 2]  # x_t and x_{t+1} of the trained steps 0 and 1
+    assert set(trajectories.cond) == {"prompt_embeds", "pooled"}
+    assert {k: len(v) for k, v in trajectories.shared_cond.items()} == {"negative_prompt_embeds": 1,
+                                                                        "negative_pooled": 1}
     assert meta.cache_misses > 0
     again = worker.run(0, items).meta
     assert again.cache_misses == 0 and again.cache_hits > 0  # the same composed texts

@@ -30,7 +30,7 @@ def test_refiner_sync_keeps_the_text_encoder_cache_and_bumps_only_that_version()
     worker, experts = _synced_worker()
     items = _items()
     worker.run(0, items)
-    cached = dict(worker.frontend.encoder.cache)
+    cached = list(worker.frontend.encoder.cache.entries)
     assert cached
     tokens = worker.run(0, items).tokens["refiner_0"]
     adv = np.ones(len(tokens["prompts"]))
@@ -53,14 +53,14 @@ def test_rollout_is_a_function_of_seed_step_and_sample_not_of_batching():
         np.testing.assert_allclose(whole.terms[t], np.concatenate([h.terms[t] for h in halves]), atol=1e-6)
     assert whole.refinements == halves[0].refinements + halves[1].refinements
     again = worker.run(3, items).trajectories
-    np.testing.assert_array_equal(traj["states"], again["states"])
+    np.testing.assert_array_equal(traj.states, again.states)
 
 
 def test_expert_update_is_idempotent_by_step():
     worker, experts = _synced_worker()
     traj = worker.run(0, _items()).trajectories
     gen = experts["generator"]
-    adv = np.linspace(-1, 1, len(traj["logps"]))
+    adv = np.linspace(-1, 1, len(traj.logps))
     first = gen.update(0, 0, adv, traj)
     weights = gen.weights()
     again = gen.update(0, 0, adv, traj)
@@ -77,7 +77,7 @@ def test_generator_starts_from_an_init_checkpoint(tmp_path):
     trained = ExpertActor(CFG, "generator")
     worker, _ = _synced_worker()
     traj = worker.run(0, _items()).trajectories
-    trained.update(0, 0, np.linspace(-1, 1, len(traj["logps"])), traj)
+    trained.update(0, 0, np.linspace(-1, 1, len(traj.logps)), traj)
     path = checkpoint.save(tmp_path, 1, {"generator": trained.snapshot()}) / "generator.safetensors"
     cfg = make_config("experts.n_refiners=2", f"experts.generator.init={path}", preset="shapes-tiny")
     started = ExpertActor(cfg, "generator")
@@ -149,12 +149,12 @@ def test_a_rollout_is_made_with_the_versions_it_names_even_after_a_newer_one_arr
     from cluster.recovery import NotSynced
     worker, experts = _synced_worker()
     items = _items()
-    before = worker.rollout(0, items)[1]["states"]
+    before = worker.rollout(0, items)[1].states
     stats = experts["generator"].update(0, 0, np.ones(len(items)), worker.rollout(0, items)[1])
     worker.load_weights("generator", stats["version"], experts["generator"].weights())  # overtakes the rollout
     named = {"refiner_0": 0, "refiner_1": 0, "generator": 0}
-    np.testing.assert_array_equal(worker.rollout(0, items, named)[1]["states"], before)
-    newer = worker.rollout(0, items, {**named, "generator": 1})[1]["states"]
+    np.testing.assert_array_equal(worker.rollout(0, items, named)[1].states, before)
+    newer = worker.rollout(0, items, {**named, "generator": 1})[1].states
     assert not np.array_equal(newer, before)
     with pytest.raises(NotSynced, match="generator"):  # v0 is forgotten once a rollout named v1
         worker.rollout(0, items, named)
