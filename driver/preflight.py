@@ -1,6 +1,6 @@
 """Checks of the outside world a valid config names, run before anything starts.
 
-The schema (driver/config.py, experts/spec.py …) only judges values; whether the files, models,
+The schema (driver/config.py, common/config.py, experts/spec.py …) only judges values; whether the files, models,
 packages and reward function they name exist is asked here, once, so that `jointrl config show`
 works anywhere and a run still fails in one paragraph naming the key instead of minutes later.
 """
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
+from common.hub import BUILDERS, TINY, is_tiny
 from driver.checkpoint import sha256
 from driver.config import ConfigError, invalid
 from driver.overrides import flat
 from experts.families import FAMILIES
-from experts.hub import BUILDERS, TINY, is_tiny
 
 if TYPE_CHECKING:
     from driver.config import Config

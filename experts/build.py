@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
+from common.seeding import derive_seed
 from experts import state_file
-from experts.seeding import derive_seed
 from experts.weights import load, model_tensors
 
 

@@ -1,8 +1,8 @@
-"""What every diffusers flow family shares: loading a pipeline's components, the trained transformer
-with its LoRA adapter and guidance (`FamilyVelocity`), and the frozen front end with its text cache
-(`FamilyFrontEnd`). A family module (experts/sd3.py, flux1.py, flux2.py, qwen_image.py) subclasses
-both and fills in what only it knows: how its transformer reads a latent and a condition, how its
-prompts are encoded, its sigmas and its way back to pixels (experts/families.py).
+"""What every diffusers flow family shares: the trained transformer with its LoRA adapter and guidance
+(`FamilyVelocity`), and the frozen front end with its text cache (`FamilyFrontEnd`), both loaded by
+common/loading.py. A family module (experts/sd3.py, flux1.py, flux2.py, qwen_image.py) subclasses both
+and fills in what only it knows: how its transformer reads a latent and a condition, how its prompts
+are encoded, its sigmas and its way back to pixels (experts/families.py).
 
 Conditioning convention: `cond` is a dict of per-sample tensors, in the text encoders' dtype; its
 `negative_<name>` entries are the empty prompt's, one row that the velocity broadcasts to the batch,
@@ -12,34 +12,16 @@ gives the conditional velocity alone.
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import numpy as np
 import torch
 from torch import nn
 
-from experts.hf_refiner import DTYPES
-from experts.hub import local_model
+from common.hub import local_model
+from common.loading import DTYPES, component, load_index
 from experts.text_encoder import CacheStats, FeatureCache
 
 NEGATIVE = "negative_"
-
-
-def load_index(path: str) -> dict:
-    """The pipeline's `model_index.json`."""
-    from diffusers import DiffusionPipeline
-    return DiffusionPipeline.load_config(path)
-
-
-def component(path: str, index: dict, name: str, dtype: torch.dtype | None = None):
-    """The pipeline component `name` (None where the model has none, e.g. SD3 without T5)."""
-    library, cls = index.get(name) or (None, None)
-    if cls is None:
-        return None
-    kwargs = {"subfolder": name}
-    if dtype is not None and name.startswith(("text_encoder", "transformer", "vae")):
-        kwargs["dtype" if library == "transformers" else "torch_dtype"] = dtype
-    return getattr(importlib.import_module(library), cls).from_pretrained(path, **kwargs)
 
 
 def split_negative(cond: dict) -> tuple[dict, dict]:

@@ -59,7 +59,7 @@ class ShapesFrontEnd:
 
 def build_frontend(config, device: torch.device = torch.device("cpu")):
     if config.experts.generator.model.kind == "diffusers_flow":
+        from common.hub import local_model
         from experts.families import family_module
-        from experts.hub import local_model
         return family_module(local_model(config.experts.generator.model.path)).FrontEnd(config, device)
     return ShapesFrontEnd(config, device)

@@ -14,10 +14,11 @@ import torch
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from algorithm.losses import GeneratorObjective, generator_backward
+from common.config import Resources, Strict
+from common.seeding import derive_seed
 from experts.build import ExpertKind
 from experts.devices import to_device
-from experts.seeding import derive_seed
-from experts.spec import LoraConfig, ParallelConfig, Resources, Strict, default_kind
+from experts.spec import LoraConfig, ParallelConfig, default_kind
 from experts.trajectories import Trajectories, device_tensors
 from experts.weights import as_tensor
 
@@ -112,8 +113,8 @@ class GeneratorKind(ExpertKind):
     def fresh_model(self) -> torch.nn.Module:
         m = self.spec.model
         if m.kind == "diffusers_flow":
+            from common.hub import local_model
             from experts.families import family_module
-            from experts.hub import local_model
             return family_module(local_model(m.path)).Velocity(
                 self.spec, derive_seed(self.config.trainer.seed, "init", self.expert_id))
         from experts.dit import TinyDiT

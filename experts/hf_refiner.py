@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experts.hub import local_model
+from common.hub import local_model
+from common.loading import DTYPES, load_tokenizer
 from tasks.base import Refinement
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # a causal LM's attention projections
 
 
@@ -31,16 +31,6 @@ def answer_of(text: str, tag: str | None) -> tuple[str, bool | None]:
         return text.strip(), None
     found = re.search(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
     return (found.group(1).strip(), True) if found else ("", False)
-
-
-def load_tokenizer(path: str):
-    """The tokenizer saved with the model: its tokenizer.json as it is (AutoTokenizer may rebuild
-    it as the class of the model's type), else whatever AutoTokenizer makes of the folder."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    try:
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    except (OSError, ValueError):
-        return AutoTokenizer.from_pretrained(path)
 
 
 class HFRefiner(nn.Module):

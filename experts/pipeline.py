@@ -22,9 +22,9 @@ import torch
 from algorithm.batch import Sample
 from algorithm.losses import kept_states, trained_steps
 from algorithm.sde import sample, sde_steps
+from common.seeding import generator
 from experts.frontend import build_frontend
 from experts.kinds import build_model
-from experts.seeding import generator
 from experts.trajectories import split_shared, trajectories
 from experts.weights import load
 from tasks import build_task

@@ -13,10 +13,11 @@ import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
 from algorithm.losses import refiner_loss
+from common.config import Resources, Strict
+from common.seeding import derive_seed
 from experts.build import ExpertKind
 from experts.devices import to_device
-from experts.seeding import derive_seed
-from experts.spec import LoraConfig, ParallelConfig, Resources, Strict, default_kind
+from experts.spec import LoraConfig, ParallelConfig, default_kind
 
 
 class TinyLMConfig(Strict):

@@ -3,8 +3,8 @@ and the SD3.5 preset's KL term is Flow-GRPO's on the same tensors."""
 import pytest
 import torch
 
+from common.hub import local_model
 from driver.config import resolve_config
-from experts.hub import local_model
 from tests.family_check import PROMPTS, family_config, parts
 
 PUBLISHED = {  # preset -> dotted key -> value (Flow-GRPO config/grpo.py; PromptRL's launch scripts)

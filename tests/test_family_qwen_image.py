@@ -14,7 +14,7 @@ to the pipeline once per prompt: a single negative's embeddings would not batch 
 import pytest
 import torch
 
-from experts.hub import local_model
+from common.hub import local_model
 from experts.qwen_image import Velocity, pack, unpack
 from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
                                 assert_lora_reference_is_base, family_config, initial_latents, parts,

@@ -5,7 +5,7 @@ branches in one forward pass, as the pipeline does."""
 import pytest
 import torch
 
-from experts.hub import local_model
+from common.hub import local_model
 from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
                                 assert_lora_reference_is_base, family_config, parts, sampled_by_jointrl)
 

@@ -42,7 +42,7 @@ def test_format_length_and_faithful_by_hand():
 def test_faithful_with_a_text_model_is_the_cosine_of_its_embeddings():
     from transformers import AutoTokenizer, CLIPModel
 
-    from experts.hub import local_model
+    from common.hub import local_model
     faithful = Faithful(FaithfulOptions(model="tiny:clip"), torch.device("cpu"))
     prompts = [TextPrompt("a quiet lake at dawn"), TextPrompt("a red bicycle"), GENEVAL]
     refs = [ref("a calm lake, sunrise, mist"), ref("bicycle"), ref("two dogs")]

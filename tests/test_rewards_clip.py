@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoProcessor, CLIPModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from experts.hub import local_model
+from common.hub import local_model
 from tasks.base import TextPrompt
 from tasks.rewards import resolve
 from tasks.rewards.aesthetic import HEAD_FILE

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from experts.hub import local_model
+from common.hub import local_model
 from tasks.base import TextPrompt
 from tasks.rewards import resolve
 from tasks.rewards.base import pil_images

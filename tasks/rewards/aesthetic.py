@@ -26,7 +26,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from experts.hub import local_model
+from common.hub import local_model
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel
 from tasks.rewards.clip import ClipEncoder

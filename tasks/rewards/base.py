@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from experts.spec import Strict
+from common.config import Strict
 from tasks.base import Refinement, to_uint8
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from experts.hub import is_tiny, local_model
+from common.hub import is_tiny, local_model
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from experts.hub import local_model
+from common.hub import local_model
 
 DEFAULT_MODELS = {"owlv2": "google/owlv2-base-patch16-ensemble", "grounding_dino": "IDEA-Research/grounding-dino-tiny"}
 MODEL_TYPES = {"owlv2": "owlv2", "grounding-dino": "grounding_dino"}  # a config's model_type -> detector

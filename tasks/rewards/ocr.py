@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from experts.hub import local_model
+from common.hub import local_model
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, ValidationError, model_validator
 
-from experts.spec import Resources, Strict
+from common.config import Resources, Strict
 from tasks.rewards import BUILTINS, is_model, resolve
 
 

@@ -77,7 +77,7 @@ class Length(TextTerm):
         if options.tokenizer:
             from transformers import AutoTokenizer
 
-            from experts.hub import local_model
+            from common.hub import local_model
             self.tokenizer = AutoTokenizer.from_pretrained(local_model(options.tokenizer))
 
     def size(self, text: str) -> int:
@@ -125,7 +125,7 @@ class Faithful(TextTerm):
         if options.model:
             from transformers import AutoModel, AutoTokenizer
 
-            from experts.hub import local_model
+            from common.hub import local_model
             path = local_model(options.model)
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.encoder = AutoModel.from_pretrained(path, dtype=self.dtype).to(device).eval()
