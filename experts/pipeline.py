@@ -170,15 +170,18 @@ class RolloutPipeline:
         noise = self.noise(step, samples)
         cond = self.frontend.condition([s.prompt for s in samples], refinements)
         states, logps = self.generate(cond, noise, sde=True)
-        faults: dict[str, int] = {}
         images = self.frontend.decode(states[:, -1]).cpu().numpy()
+        # on the host before the rewards and the regenerations: the device holds one chunk's latents at a time
+        kept, logps = states[:, self.state_steps.to(states.device)].cpu(), logps.cpu()
+        per_sample, shared = split_shared({k: v.cpu() for k, v in cond.items()})
+        del states, cond
+        faults: dict[str, int] = {}
         terms, valid = self.reward(images, samples, refinements, faults)
         counterfactual = self.counterfactual(step, samples, refinements, noise, faults)
         shown = np.stack([to_uint8(im) for im in images]) if self.shows_images(step) else None
         meta = RolloutMeta([s.sample for s in samples], terms, valid, [self.version_vector()] * len(samples),
                            counterfactual, as_text(refinements), faults, 0, 0, 0.0, shown)
-        per_sample, shared = split_shared({k: v.cpu() for k, v in cond.items()})
-        return Chunk(meta, states[:, self.state_steps.to(states.device)].cpu(), logps.cpu(), per_sample, shared, tokens)
+        return Chunk(meta, kept, logps, per_sample, shared, tokens)
 
     def shows_images(self, step: int) -> bool:
         """Whether `step`'s images go to the trackers (`logging.images_every`, and the last step)."""
