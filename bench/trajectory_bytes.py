@@ -49,13 +49,13 @@ def main() -> int:
     prompts = prompt_set(args.samples // 8, seed=0)
     samples = [Sample(i, i // 8, prompts[i // 8], i % 8 < 6) for i in range(args.samples)]
     trajectories = pipeline.run(0, samples).trajectories
-    parts = {k: v for k, v in fields(trajectories).items()}
+    parts = fields(trajectories)
     total = nbytes(trajectories)
     print(f"one step's trajectories, {args.samples} samples, image {args.image_size} px: {total:,} bytes "
           f"({total / args.samples:,.0f} per sample)")
     for name, value in parts.items():
-        shapes = ({k: (tuple(np.shape(v)), str(np.asarray(v).dtype)) for k, v in value.items()}
-                  if isinstance(value, dict) else (tuple(np.shape(value)), str(np.asarray(value).dtype)))
+        shapes = ({k: v if isinstance(v, str) else (tuple(np.shape(v)), str(v.dtype)) for k, v in value.items()}
+                  if isinstance(value, dict) else (tuple(np.shape(value)), str(value.dtype)))
         print(f"  {name:12s} {nbytes(value):>12,}  {shapes}")
     return 0
 
