@@ -6,7 +6,8 @@ restarted instance is restored first instead of silently starting over. What the
 (model, batch merging, loss) is the expert's kind's (experts/kinds.py). An expert of several ranks
 (`parallel.ranks` > 1) is one such object per process, joined into one process group
 (`join_gang`): each computes its share of the update and only the leader (rank 0) hands out
-weights and snapshots, whole (experts/parallel.py).
+weights and snapshots, whole (experts/parallel.py). A model built in a low-precision dtype keeps
+what it trains in fp32 and computes in its own dtype (experts/precision.py).
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class Expert:
 
     def fresh(self, device: torch.device) -> tuple[torch.nn.Module, Any]:
         """The model at version 0 on `device` and its frozen reference, which stays in the model's
-        dtype; then its trained parameters kept in fp32 (experts/precision.py)."""
+        dtype; then its trained parameters kept in fp32, noting in `self.computed` the dtype each
+        is computed in (experts/precision.py)."""
         model = self.kind.build_model().to(device)
         reference = reference_of(model)
         self.computed = precision.keep_trained_in_fp32(model)

@@ -36,7 +36,9 @@ class HFCausalLMConfig(Strict):
                                   "fetched when loaded")
     revision: str | None = Field(None, description="the hub revision to load (a branch, tag or commit hash; pin "
                                                    "a commit for runs that repeat); None: the default branch")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute; "
+                                                  "what trains is kept in fp32 (with its gradients and AdamW "
+                                                  "moments) and computed in this dtype")
     system_prompt: str = Field("Rewrite the user's image prompt into a more detailed one. Think briefly, then give "
                                "the new prompt inside <answer></answer>.",
                                description="the system message before the user's prompt; empty: none")

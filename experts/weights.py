@@ -85,10 +85,10 @@ def model_tensors(model: torch.nn.Module, weights: dict, share: bool = False) ->
         raise ValueError(f"weights for {unknown[:3]}{'…' if len(unknown) > 3 else ''}, which the model does not have")
     out = {}
     for name, value in weights.items():
-        tensor = as_tensor(value) if share else as_tensor(value).clone()
+        tensor = as_tensor(value)
         if own[name].dtype == torch.bfloat16 and tensor.dtype == torch.int16:
             tensor = tensor.view(torch.bfloat16)
-        out[name] = tensor.to(own[name].device, own[name].dtype)
+        out[name] = tensor.to(own[name].device, own[name].dtype, copy=not share)  # one copy at most
     return out
 
 
