@@ -15,6 +15,15 @@ from tests.conftest import make_config
 N, CLIP, BETA = 7, 0.2, 0.05
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on CPU cores shared with other processes: one thread each is faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class FullLogits:
     """`model`'s log-probs of generated tokens as one forward over prompt + tokens with the head
     and the fp32 log-softmax at every position, sliced afterwards (the update before micro-batching)."""
@@ -81,7 +90,7 @@ def test_micro_batches_and_rank_shares_give_the_whole_batchs_loss_and_gradient(s
     whole = gradient(policy)
     assert whole.abs().sum() > 0 and stats["kl"] > 0 and abs(stats["ratio_mean"] - 1) > 1e-3
     kind = expert_kind(config, "refiner_0")
-    for micro, ranks in ((None, 1), (3, 1), (1, 1), (3, 2)):  # 3 divides neither 7 nor a rank's 4 or 3
+    for micro, ranks in ((None, 1), (3, 1), (3, 2)):  # 3 divides neither 7 nor a rank's 4 or 3
         kind.spec.micro_batch = micro
         policy.zero_grad(set_to_none=True)
         total, kl, ratio, passes = 0.0, 0.0, 0.0, []
