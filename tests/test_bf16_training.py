@@ -140,6 +140,18 @@ def test_ten_adamw_steps_at_lr_2e_7_move_bf16_weights_as_fp32_does(case):
           f"before {float((old != 0).float().mean()):.4f}")
 
 
+def test_lora_adapters_are_fp32_on_a_bf16_base_in_every_copy():
+    """diffusers' add_adapter casts the generator's adapter to the transformer's dtype (cast back);
+    peft's get_peft_model keeps the refiner's in fp32 (checked): trainer and worker build the same."""
+    cfg = config("lora", "bfloat16", "experts.refiner_0.model={kind: hf_causal_lm, path: 'tiny:qwen2', "
+                                     "dtype: bfloat16, lora: {r: 4, alpha: 8}}")
+    for eid in ("generator", "refiner_0"):
+        model = build_model(cfg, eid)
+        adapter = {p.dtype for n, p in model.named_parameters() if "lora_" in n and p.requires_grad}
+        base = {p.dtype for n, p in model.named_parameters() if "lora_" not in n and not p.requires_grad}
+        assert (adapter, base) == ({torch.float32}, {torch.bfloat16}), eid
+
+
 @pytest.mark.parametrize("case", ["refiner", "lora"])
 def test_a_version_travels_as_the_trainer_keeps_it_and_a_worker_casts_it(case):
     """fp32 where the trainer keeps it (a version restores exactly), cast to the worker copy's dtype
