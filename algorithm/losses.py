@@ -6,6 +6,9 @@ refiner_loss:   GRPO's token-level objective (arXiv 2402.03300, eq. 3) as Prompt
                 ratio taken against the rollout's log-probs so that stale samples are corrected.
                 Convention: averaged over all valid tokens of the batch (TRL's `dapo`/`bnpo` loss
                 types, verl's `token-mean`), not the mean of per-sequence means of GRPO's eq. 3.
+                Its gradient is accumulated `micro_batch` sequences at a time, each part's
+                token sum divided by the whole batch's token count (`refiner_backward`), so the
+                update's memory is one part's.
 generator_loss: Flow-GRPO's objective (arXiv 2505.05470, eq. 8): PPO-clipped ratio of each SDE
                 step's Gaussian log-prob, averaged over trained steps and samples, plus beta * KL.
                 Its gradient is accumulated one micro-batch of transitions at a time (by default one
@@ -54,6 +57,36 @@ def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: fl
     n = mask.sum().clamp(min=1.0) if tokens is None else max(tokens, 1.0)
     loss = (per_token * mask).sum() / n
     return loss, {"kl": float((kl.detach() * mask).sum() / n), "ratio_mean": float((ratio.detach() * mask).sum() / n)}
+
+
+def sequences(batch: dict, rows: torch.Tensor) -> dict:
+    """The refiner token batch's sequences `rows` (prompts, tokens, rollout log-probs, mask)."""
+    return {"prompts": [batch["prompts"][i] for i in rows.tolist()],
+            **{k: batch[k][rows.to(batch[k].device)] for k in ("tokens", "logps", "mask")}}
+
+
+def refiner_backward(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: float, kl_beta: float,
+                     micro_batch: int | None = None, rows: torch.Tensor | None = None,
+                     before_last: Callable[[], None] | None = None):
+    """Backpropagate `refiner_loss` of the batch `micro_batch` sequences at a time (None: all at
+    once), each part divided by the whole batch's valid tokens, so that the parts add up to the
+    whole batch's loss and gradient (to float rounding); returns (loss, stats). `rows`: only these
+    sequences' part, still divided by the whole batch's count (one rank's share). `before_last`
+    runs before the last part's backward pass (a sharded model that held back its gradient
+    reduction until then turns it on)."""
+    rows = torch.arange(len(batch["prompts"])) if rows is None else rows
+    parts = rows.split(micro_batch or max(len(rows), 1))
+    tokens = float(batch["mask"].sum())
+    loss, stats = 0.0, {"kl": 0.0, "ratio_mean": 0.0}
+    for i, part in enumerate(parts):
+        part_loss, part_stats = refiner_loss(policy, reference, sequences(batch, part), adv[part.to(adv.device)],
+                                             clip_eps, kl_beta, tokens=tokens)
+        if before_last is not None and i == len(parts) - 1:
+            before_last()
+        part_loss.backward()
+        loss += float(part_loss.detach())
+        stats = {k: v + part_stats[k] for k, v in stats.items()}
+    return loss, stats
 
 
 def clipped_surrogate(ratio, adv, clip_eps: float):

@@ -44,18 +44,10 @@ class ExpertKind:
         """The model at version 0: seeded, then from `init` unless `fresh`."""
         return seeded_model(self.config, self.expert_id, self.fresh_model, None if fresh else self.spec.init)
 
-    def loss(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None):
-        """(the loss, its stats); `rows`: only these samples' part of the whole batch's loss."""
-        raise NotImplementedError
-
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None) -> tuple[float, dict]:
         """Accumulate the loss's gradient into the trainable parameters; (its value, its stats).
         `rows`: only these samples' part of it, divided by the whole batch's count (one rank's
-        share: experts/parallel.py). A kind whose update would not fit in memory at once overrides
-        this to go in parts, calling `before_last` before the last part's backward pass."""
-        loss, stats = self.loss(model, reference, batch, adv, rows)
-        if before_last is not None:
-            before_last()
-        loss.backward()
-        return float(loss.detach()), stats
+        share: experts/parallel.py). A kind goes in parts (micro-batches) so that an update fits
+        in memory, calling `before_last` before the last part's backward pass."""
+        raise NotImplementedError

@@ -49,6 +49,9 @@ class FamilyVelocity(nn.Module):
             self.transformer.add_adapter(LoraConfig(r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
                                                     target_modules=m.lora.target_modules or self.LORA_TARGETS,
                                                     init_lora_weights=True))
+            for param in self.transformer.parameters():  # add_adapter casts the adapter to the model's dtype:
+                if param.requires_grad:                  # it trains in fp32 (as Flow-GRPO's), on a bf16 base too
+                    param.data = param.data.float()
 
     @property
     def lora(self) -> bool:

@@ -42,7 +42,9 @@ class DiffusersFlowConfig(Strict):
                                   "fetched when loaded")
     revision: str | None = Field(None, description="the hub revision to load (a branch, tag or commit hash; pin "
                                                    "a commit for runs that repeat); None: the default branch")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute; "
+                                                  "what trains is kept in fp32 (with its gradients and AdamW "
+                                                  "moments) and computed in this dtype")
     guidance_scale: float = Field(1.0, ge=1.0, description="> 1: true classifier-free guidance against the empty "
                                                            "prompt (SD3's and FLUX.2 klein's guidance_scale, "
                                                            "FLUX.1's and Qwen-Image's true_cfg_scale); 1: none")

@@ -84,7 +84,7 @@ class HFRefiner(nn.Module):
         done = torch.zeros(b, dtype=torch.bool, device=ids.device)
         tokens, logps, masks = [], [], []
         out = self.lm(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
-                      use_cache=True)
+                      use_cache=True, logits_to_keep=1)  # the LM head at the last position only
         for j in range(self.max_new_tokens):
             lp = self.step_logprobs(out.logits[:, -1])
             cdf = lp.exp().cumsum(-1)
@@ -107,13 +107,16 @@ class HFRefiner(nn.Module):
                 F.pad(torch.stack(masks, 1), (0, pad), value=False))
 
     def token_logprobs(self, prompts: list[list[int]], tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Log-probs (B, M) of the generated `tokens` (where `mask`), with gradients; 0 elsewhere."""
+        """Log-probs (B, M) of the generated `tokens` (where `mask`), with gradients; 0 elsewhere.
+        The LM head and the fp32 log-softmax run only at the M positions that predict them (the
+        context's last and each generated token's but the last, which predicts nothing scored):
+        at a real vocabulary the logits of every position would dwarf the rest of the update."""
         ids, attention = self.left_pad(prompts)
-        seq = torch.cat([ids, tokens], 1)
-        attention = torch.cat([attention, mask.long()], 1)
-        logits = self.lm(input_ids=seq, attention_mask=attention,
-                         position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
-        lp = self.step_logprobs(logits[:, ids.shape[1] - 1:-1])
+        seq = torch.cat([ids, tokens[:, :-1]], 1)
+        attention = torch.cat([attention, mask[:, :-1].long()], 1)
+        logits = self.lm(input_ids=seq, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
+                         use_cache=False, logits_to_keep=tokens.shape[1]).logits
+        lp = self.step_logprobs(logits)
         return torch.where(mask, lp.gather(2, tokens[:, :, None]).squeeze(2), 0.0)
 
     def refinement(self, tokens: list[int], mask: list[bool]) -> Refinement:

@@ -7,12 +7,12 @@ checked by driver/preflight.py.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
-from algorithm.losses import refiner_loss
+from algorithm.losses import refiner_backward
 from common.config import Resources, Strict
 from common.seeding import derive_seed
 from experts.build import ExpertKind
@@ -36,7 +36,9 @@ class HFCausalLMConfig(Strict):
                                   "fetched when loaded")
     revision: str | None = Field(None, description="the hub revision to load (a branch, tag or commit hash; pin "
                                                    "a commit for runs that repeat); None: the default branch")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute; "
+                                                  "what trains is kept in fp32 (with its gradients and AdamW "
+                                                  "moments) and computed in this dtype")
     system_prompt: str = Field("Rewrite the user's image prompt into a more detailed one. Think briefly, then give "
                                "the new prompt inside <answer></answer>.",
                                description="the system message before the user's prompt; empty: none")
@@ -99,10 +101,7 @@ class RefinerKind(ExpertKind):
                           **{k: torch.cat([torch.tensor(s[k]) for s in parts]) for k in ("tokens", "logps", "mask")}},
                          device)
 
-    def loss(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None):
-        if rows is None:
-            return refiner_loss(model, reference, batch, adv, self.spec.clip_eps, self.spec.kl_beta)
-        share = {"prompts": [batch["prompts"][i] for i in rows.tolist()],
-                 **{k: batch[k][rows.to(batch[k].device)] for k in ("tokens", "logps", "mask")}}
-        return refiner_loss(model, reference, share, adv[rows.to(adv.device)], self.spec.clip_eps, self.spec.kl_beta,
-                            tokens=float(batch["mask"].sum()))
+    def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
+                 before_last: Callable[[], None] | None = None):
+        s = self.spec
+        return refiner_backward(model, reference, batch, adv, s.clip_eps, s.kl_beta, s.micro_batch, rows, before_last)
