@@ -9,12 +9,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from algorithm.losses import kept_states, trained_steps
 from algorithm.sde import sample, sde_steps
 from cluster.collective import layout
 from experts.expert import Expert
 from experts.frontend import build_frontend
 from experts.kinds import build_model
 from experts.parallel import GangSpec
+from experts.trajectories import split_shared, trajectories
 from experts.weights import model_tensors, synced_state, travel_form, travel_layout
 from tasks.base import TextPrompt
 from tasks.shapes import prompt_set
@@ -71,8 +73,8 @@ def rollout(case: str, expert: Expert) -> dict:
         sigmas, sde = frontend.sigmas(2), sde_steps(2, None)
         noise = torch.randn((N, 3, *frontend.latent_shape), generator=torch.Generator().manual_seed(1))
         states, logps = sample(lambda x, s: worker(x, s, **cond), noise, sigmas, 0.7, sde)
-    return {"states": states.numpy(), "logps": logps.numpy(), "cond": {k: v.numpy() for k, v in cond.items()},
-            "sigmas": sigmas.numpy(), "sde": sde.numpy()}
+    kept = kept_states(trained_steps(sde, True))
+    return trajectories(states[:, kept], kept, logps, *split_shared(cond), sigmas, sde)
 
 
 def as_bf16_start(expert: Expert) -> Expert:
