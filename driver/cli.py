@@ -45,7 +45,11 @@ def parse_args(argv):
     c.add_argument("action", choices=("show", "keys"),
                    help="show: the config of --config and --set, each key with its description and default; "
                         "keys: every dotted key with its type and description")
-    for sp in (t, pre, e, s, r, c):
+    d = sub.add_parser("download", help="fetch every hub model the config names into the Hugging Face cache "
+                                        "(HF_HOME / HF_HUB_CACHE), so that the run reads it from there")
+    d.add_argument("--list", action="store_true", help="print the models and an `hf download` line for each; "
+                                                       "fetch nothing")
+    for sp in (t, pre, e, s, r, c, d):
         sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes; on a run, "
                                                        "its keys are applied on top of the run's saved config)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -311,6 +315,22 @@ def failure(cause: BaseException) -> str:
     return f"{type(cause).__name__}: {cause}"
 
 
+def run_download(args) -> int:
+    """`jointrl download`: the config's hub models into this machine's Hugging Face cache (each
+    node's, unless HF_HOME is on storage the nodes share); 1 if any could not be fetched."""
+    from driver.config import resolve_config
+    from driver.download import download, hub_models
+    config = resolve_config(args.config, args.overrides)  # the schema only: the run's files need not be here
+    if args.list:
+        for model in hub_models(config):
+            print(f"{model}\n  {model.hf_command()}")
+        return 0
+    failed = download(config, on_model=lambda line: print(f"jointrl: fetched {line}", flush=True))
+    for line in failed:
+        print(f"jointrl: cannot fetch {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def run_config_docs(args) -> int:
     """`jointrl config show|keys`: the schema's documentation; show skips the preflight checks, so a
     config that names models or files absent here can still be read."""
@@ -326,7 +346,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
-                "report": run_report, "config": run_config_docs}[args.command](args)
+                "report": run_report, "config": run_config_docs, "download": run_download}[args.command](args)
     except ConfigError as e:
         return config_error(e)
     except KeyboardInterrupt:

@@ -47,7 +47,7 @@ class Expert:
         self.kind = expert_kind(config, expert_id)
         self.spec = self.kind.spec
         self.gang: Gang | None = None
-        self.build(self.kind.build_model().to(device))
+        self.build(self.kind.build_model(device=device).to(device))
         self.version = 0
         self.last_step, self.last_stats = -1, {}
 

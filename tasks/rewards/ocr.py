@@ -30,6 +30,7 @@ import torch
 from pydantic import Field
 
 from common.hub import local_model
+from common.loading import pretrained
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images
 
@@ -80,10 +81,9 @@ class OCR(RewardModel):
     def __init__(self, options: OCROptions, device: torch.device):
         super().__init__(options, device)
         from transformers import AutoProcessor, VisionEncoderDecoderModel
-        path = local_model(self.model_name)
+        path = local_model(self.model_name, options.revision)
         self.processor = AutoProcessor.from_pretrained(path)
-        self.model = VisionEncoderDecoderModel.from_pretrained(path, dtype=self.dtype).to(device).eval() \
-            .requires_grad_(False)
+        self.model = pretrained(VisionEncoderDecoderModel, path, self.dtype, device).eval().requires_grad_(False)
 
     @torch.no_grad()
     def read(self, images: np.ndarray) -> list[str]:
