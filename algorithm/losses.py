@@ -80,6 +80,17 @@ def trained_steps(sde: torch.Tensor, train_final_step: bool) -> torch.Tensor:
     return steps if train_final_step else steps[steps != len(sde) - 1]
 
 
+def kept_states(steps: torch.Tensor) -> torch.Tensor:
+    """The states the loss reads when it trains `steps`: x_t and x_{t+1} of each, as sorted step
+    indices (a rollout keeps only these)."""
+    return torch.unique(torch.cat([steps, steps + 1]))
+
+
+def state_at(batch: dict, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """x_t of samples `rows` at steps `steps`, among the states kept at `batch["state_steps"]`."""
+    return batch["states"][rows, torch.searchsorted(batch["state_steps"], steps)]
+
+
 def transition_chunks(samples: torch.Tensor, steps: torch.Tensor, micro_batch: int | None) -> list[tuple]:
     """Every (sample, step) transition of `samples` to train, ordered by step then sample, in chunks
     of `micro_batch` (None: one step of every sample per chunk): [(sample indices, step indices)]."""
@@ -97,13 +108,15 @@ def step_kl(mean, ref_mean, std, delta, kl_form: str) -> torch.Tensor:
 
 def transition_losses(policy, reference, batch: dict, adv: torch.Tensor, rows, cols, obj: GeneratorObjective):
     """PPO-clip + beta KL of each transition (rows[i], cols[i]), re-evaluated with the policy;
-    (losses, KLs, ratios), one per transition. `batch` holds the states (B, T+1, ...), log-probs
-    (B, T), the sigmas (T+1,) and the per-sample conditioning `cond` the model reads."""
-    states, sigmas = batch["states"], batch["sigmas"]
-    x, x_next = states[rows, cols], states[rows, cols + 1]
+    (losses, KLs, ratios), one per transition. `batch` holds the states x_t (B, S, ...) at the steps
+    `state_steps` (S,) (those of the trained transitions, `kept_states`), log-probs (B, T), the
+    sigmas (T+1,), the per-sample conditioning `cond` and the conditioning every sample shares,
+    `shared_cond` (the empty prompt's under guidance, one row the model broadcasts)."""
+    sigmas = batch["sigmas"]
+    x, x_next = state_at(batch, rows, cols), state_at(batch, rows, cols + 1)
     shape = (-1, *[1] * (x.dim() - 1))
     s, s_next = sigmas[cols].view(shape), sigmas[cols + 1].view(shape)
-    cond = {name: v[rows] for name, v in batch["cond"].items()}
+    cond = {**{name: v[rows] for name, v in batch["cond"].items()}, **batch["shared_cond"]}
     sigma_max = float(sigmas[1])
     mean, std = sde_mean_std(x, policy(x, s.flatten(), **cond), s, s_next, obj.noise_level, sigma_max)
     ratio = torch.exp(gaussian_logp(x_next, mean, std) - batch["logps"][rows, cols])

@@ -37,6 +37,7 @@ BUILDERS = {
     "grounding_dino": "tasks.rewards.tiny.detector:tiny_grounding_dino",
     "trocr": "tasks.rewards.tiny.ocr:tiny_trocr",
     "qwen2_vl": "tasks.rewards.tiny.vqa:tiny_qwen2_vl",
+    "qwen2_5_vl": "tasks.rewards.tiny.vqa:tiny_qwen2_5_vl",
 }
 VERSION = "v1"
 

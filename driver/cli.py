@@ -49,7 +49,20 @@ def parse_args(argv):
                                         "(HF_HOME / HF_HUB_CACHE), so that the run reads it from there")
     d.add_argument("--list", action="store_true", help="print the models and an `hf download` line for each; "
                                                        "fetch nothing")
-    for sp in (t, pre, e, s, r, c, d):
+    sc = sub.add_parser("score", help="score a folder of images (one per prompt) with one reward term: per-image "
+                                      "scores and their mean, to check a reward before training with it")
+    sc.add_argument("--term", required=True, metavar="NAME",
+                    help="a reward term of the config, or a built-in (ocr, geneval, clip_score, …) with its default "
+                         "options where the config has none of that name; change its options with "
+                         "--set reward.terms.NAME.KEY=VALUE")
+    sc.add_argument("--prompts", required=True, metavar="FILE",
+                    help="the prompts, one per image (.txt a line each; .jsonl with metadata, e.g. GenEval's)")
+    sc.add_argument("--images", required=True, metavar="DIR",
+                    help="PNG/JPEG images, paired with the prompts in name order (numbers by value: 2.png before "
+                         "10.png)")
+    sc.add_argument("--json", action="store_true", help='print {"term", "mean", "scores", "files"[, "strict"]} '
+                                                        "as JSON instead of the table")
+    for sp in (t, pre, e, s, r, c, sc, d):
         sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes; on a run, "
                                                        "its keys are applied on top of the run's saved config)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -340,13 +353,19 @@ def run_config_docs(args) -> int:
     return 0
 
 
+def run_score(args) -> int:
+    from driver.score import run_score as score
+    return score(args)
+
+
 def main(argv=None) -> int:
     """Every command; a user's error (ConfigError) is one paragraph on stderr and exit status 2, a
     second Ctrl-C stops at once with 130."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
-                "report": run_report, "config": run_config_docs, "download": run_download}[args.command](args)
+                "report": run_report, "config": run_config_docs, "score": run_score,
+                "download": run_download}[args.command](args)
     except ConfigError as e:
         return config_error(e)
     except KeyboardInterrupt:

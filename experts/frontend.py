@@ -26,7 +26,8 @@ def build_text_encoder(config, fresh: bool = False) -> TextEncoder:
 class ShapesFrontEnd:
     def __init__(self, config, device: torch.device):
         self.config = config
-        self.encoder = CachedEncoder(build_text_encoder(config).to(device), version=0)
+        self.encoder = CachedEncoder(build_text_encoder(config).to(device), int(config.rollout.text_cache_mb * 2 ** 20),
+                                     version=0)
         size = config.task.image_size
         self.latent_shape = (3, size, size)
 

@@ -18,8 +18,9 @@ from common.config import Resources, Strict
 from common.seeding import derive_seed
 from experts.build import ExpertKind
 from experts.devices import to_device
-from experts.flow_family import NEGATIVE
 from experts.spec import LoraConfig, ParallelConfig, default_kind
+from experts.trajectories import Trajectories, device_tensors
+from experts.weights import as_tensor
 
 
 class TinyDiTConfig(Strict):
@@ -124,16 +125,18 @@ class GeneratorKind(ExpertKind):
         """(its advantage of every sample, then the trajectories of every rollout shard)."""
         return (advantages.generator, *[o.trajectories for o in outputs])
 
-    def merge(self, model, shards: list[dict], device: torch.device) -> dict:
+    def merge(self, model, shards: list[Trajectories], device: torch.device) -> dict:
         """All trajectories of every shard as one batch, their conditioning joined as the model needs
-        it (the tiny DiT re-pads its text features to a common length), without the empty prompt's
-        unless the update trains with guidance (`train_cfg`)."""
-        return to_device({"states": torch.cat([torch.tensor(s["states"]) for s in shards]),
-                          "logps": torch.cat([torch.tensor(s["logps"]) for s in shards]),
-                          "cond": model.merge_conditions([{k: torch.tensor(v) for k, v in s["cond"].items()
-                                                           if self.spec.train_cfg or not k.startswith(NEGATIVE)}
-                                                          for s in shards]),
-                          "sigmas": torch.tensor(shards[0]["sigmas"]), "sde": torch.tensor(shards[0]["sde"])}, device)
+        it (the tiny DiT and Qwen-Image re-pad their text features to a common length), without the
+        empty prompt's, which every shard holds once, unless the update trains with guidance
+        (`train_cfg`)."""
+        first = shards[0]
+        return to_device({"states": torch.cat([as_tensor(s.states) for s in shards]),
+                          "state_steps": as_tensor(first.state_steps),
+                          "logps": torch.cat([as_tensor(s.logps) for s in shards]),
+                          "cond": model.merge_conditions([device_tensors(s.cond, s.dtypes) for s in shards]),
+                          "shared_cond": device_tensors(first.shared_cond, first.dtypes) if self.spec.train_cfg else {},
+                          "sigmas": as_tensor(first.sigmas), "sde": as_tensor(first.sde)}, device)
 
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None):

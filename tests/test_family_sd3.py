@@ -39,17 +39,19 @@ def test_train_cfg_false_updates_the_conditional_velocity_alone():
     """experts.generator.train_cfg=false: the update's batch carries no empty-prompt conditioning,
     so the velocity it trains is the conditional one, though sampling was guided."""
     from experts.kinds import expert_kind
+    from experts.trajectories import split_shared, trajectories
     from tasks.base import TextPrompt
     config = family_config(local_model("tiny:sd3"), "experts.generator.model.guidance_scale=3.0",
                            "experts.generator.train_cfg=false")
     velocity, frontend = parts(config)
     cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
     assert any(k.startswith("negative_") for k in cond)
-    shard = {"states": torch.zeros(3, STEPS + 1, *frontend.latent_shape).numpy(), "logps": torch.zeros(3, STEPS).numpy(),
-             "cond": {k: v.numpy() for k, v in cond.items()}, "sigmas": frontend.sigmas(STEPS).numpy(),
-             "sde": torch.ones(STEPS, dtype=torch.bool).numpy()}
+    positive, negative = split_shared(cond)
+    shard = trajectories(torch.zeros(3, STEPS + 1, *frontend.latent_shape), torch.arange(STEPS + 1),
+                         torch.zeros(3, STEPS), positive, negative, frontend.sigmas(STEPS),
+                         torch.ones(STEPS, dtype=torch.bool))
     merged = expert_kind(config, "generator").merge(velocity, [shard], torch.device("cpu"))
-    assert set(merged["cond"]) == {k for k in cond if not k.startswith("negative_")}
+    assert set(merged["cond"]) == set(positive) and merged["shared_cond"] == {}
     x, sigma = torch.randn(3, *frontend.latent_shape), torch.full((3,), 0.5)
     with torch.no_grad():
         conditional = velocity.velocity(x, sigma, merged["cond"])
@@ -64,3 +66,30 @@ def test_lora_reference_is_the_base_transformer():
 
 def test_sd3_loads_in_bfloat16():
     assert_loads_in_bfloat16(local_model("tiny:sd3"), "experts.generator.model.guidance_scale=3.0")
+
+
+@torch.no_grad()
+def test_the_text_cache_stays_within_its_bound_in_the_encoders_dtype():
+    """rollout.text_cache_mb: over 300 unique refined prompts (each batch repeating two of the last),
+    the front end's cache never holds more bytes than its bound and serves the features encoded
+    without a cache; its entries keep the text encoders' dtype (bfloat16: half of float32's bytes)."""
+    from experts.frontend import build_frontend
+    from experts.text_encoder import held_bytes
+    path = local_model("tiny:sd3")
+    cached = build_frontend(family_config(path, "rollout.text_cache_mb=0.25"))
+    uncached = build_frontend(family_config(path, "rollout.text_cache_mb=0"))
+    bound = cached.cache.max_bytes
+    texts = [f"{PROMPTS[i % 3]}, refined {i}" for i in range(300)]
+    for first in range(0, 300, 20):
+        batch = texts[first:first + 20] + texts[max(0, first - 2):first]
+        ours, want = cached.encode(batch), uncached.encode(batch)
+        for k, v in want.items():
+            assert_close(ours[k], v, 1e-6, k)
+        assert cached.cache.bytes == sum(held_bytes(f) for f in cached.cache.entries.values()) <= bound
+    assert cached.take_stats() == (14 * 2, 300) and len(uncached.cache) == 0
+    assert 20 < len(cached.cache) < 300 and list(cached.cache.entries) == texts[-len(cached.cache):]
+    entry = cached.cache.get(texts[-1])
+    half = build_frontend(family_config(path, "experts.generator.model.dtype=bfloat16"))
+    half.encode(texts[-1:])
+    assert {f.dtype for f in half.cache.get(texts[-1]).values()} == {torch.bfloat16}
+    assert 2 * half.cache.bytes == held_bytes(entry)

@@ -1,7 +1,7 @@
 """The CLIP-based reward terms (`clip_score`, `pickscore`, `aesthetic`) on tiny random models: their
 contract (shape, determinism, batching, one forward per batch) and their formulas against the
-references computed here by hand (CLIP cosine, PickScore's `logit_scale.exp() * cos`, the LAION
-aesthetic MLP)."""
+references computed here by hand (CLIP cosine, torchmetrics' CLIPScore 100 * max(cos, 0),
+PickScore's `logit_scale.exp() * cos`, the LAION aesthetic MLP)."""
 from __future__ import annotations
 
 import math
@@ -103,6 +103,25 @@ def test_clip_score_is_the_cosine(images):
     image, text = reference_embeds(local_model("tiny:clip"), images, TEXTS)
     expected = torch.nn.functional.cosine_similarity(image, text, dim=-1).double().numpy()
     np.testing.assert_allclose(score(make("clip_score", batch_size=2), images), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_clipscore_scale_is_torchmetrics_clip_score_of_each_pair(images, monkeypatch):
+    """torchmetrics' `clip_score(image, text)` of one pair is max(100 * cos, 0) (it clamps a batch's
+    mean; of one pair, the pair's score), on embeddings whose cosines are known: 0.8, -0.6, 1, 0.
+    (The random tiny CLIP gives every pair here a negative cosine, so fixed embeddings it is.)"""
+    scorer = make("clip_score", scale="clipscore")
+    image = torch.tensor([[3.0, 4.0, 0.0], [3.0, 4.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
+    text = torch.tensor([[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0], [2.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    monkeypatch.setattr(scorer.clip.model, "get_image_features",
+                        lambda **kw: BaseModelOutputWithPooling(pooler_output=image))
+    monkeypatch.setattr(scorer.clip.model, "get_text_features", lambda **kw: text)
+    np.testing.assert_allclose(score(scorer, images[:4], TEXTS[:4]), [80.0, 0.0, 100.0, 0.0], atol=1e-5)
+    cosine = make("clip_score")
+    monkeypatch.setattr(cosine.clip.model, "get_image_features", lambda **kw: image)
+    monkeypatch.setattr(cosine.clip.model, "get_text_features", lambda **kw: text)
+    np.testing.assert_allclose(score(cosine, images[:4], TEXTS[:4]), [0.8, -0.6, 1.0, 0.0], atol=1e-7)
+    with pytest.raises(ValueError, match="cosine"):
+        resolve("clip_score").Options(scale="percent")
 
 
 @pytest.mark.parametrize("scale", [None, 1.0])

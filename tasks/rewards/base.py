@@ -44,14 +44,21 @@ class Options(Strict):
 
 class RewardModel:
     """A built-in reward term. Subclasses set `default_model` (the hub id loaded when `model` is
-    unset), `packages` (what it imports; preflight names the extra to install) and `Options`."""
+    unset), `packages` (what it imports; preflight names the extra to install, `imports` where
+    that depends on the options) and `Options`."""
     Options = Options
     default_model: str | None = None
     packages: tuple[str, ...] = ()
     needs_images = True  # False: a text term, scored on refinements alone
+    prompt_files = True  # False: it scores its own task's prompt records only, not prompts read from a file
 
     def __init__(self, options: Options, device: torch.device):
         self.options, self.device = options, device
+
+    @classmethod
+    def imports(cls, options: Options) -> tuple[str, ...]:
+        """The packages scoring with `options` imports."""
+        return cls.packages
 
     @classmethod
     def named_model(cls, options: Options) -> str | None:

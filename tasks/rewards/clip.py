@@ -4,11 +4,14 @@ Both embed a batch of images and their *original* prompts in one forward pass ea
 the embeddings and score each image against its own prompt by cosine similarity; they differ in
 the checkpoint, the processor and the scale.
 
-- `ClipScore` returns the plain cosine, in [-1, 1]. Flow-GRPO (github yifan123/flow_grpo at
-  ac4c86e) has no CLIP scorer (`flow_grpo/rewards.py` `multi_score` lists none), so there is no
-  convention to follow; CLIPScore (Hessel et al. 2021, eq. 1) is 2.5 * max(cos, 0) and torchmetrics'
-  `CLIPScore` 100 * max(cos, 0). The clamp is dropped because it flattens the signal RL learns
-  from, and the factor because a term's weight in the config already sets its scale.
+- `ClipScore` returns, by `scale`, the plain cosine in [-1, 1] (`cosine`, the default: no clamp
+  flattens the signal RL learns from, and a term's weight in the config already sets its scale), or
+  CLIPScore as torchmetrics defines it, 100 * max(cos, 0) (`clipscore`; github Lightning-AI/
+  torchmetrics `functional/multimodal/clip_score.py`: `100 * cos`, clamped at 0, so in [0, 100];
+  Hessel et al. 2021, eq. 1, weigh it 2.5 instead of 100). torchmetrics clamps the mean of a
+  batch, here each image is clamped: the two agree wherever no cosine is negative, as with real
+  images and captions. Flow-GRPO (github yifan123/flow_grpo at ac4c86e) has no CLIP scorer
+  (`flow_grpo/rewards.py` `multi_score` lists none).
 - `PickScore` is `logit_scale.exp() * cos` (Kirstain et al. 2023; github yuvalkirstain/PickScore
   README `calc_probs`: `model.logit_scale.exp() * (text_embs @ image_embs.T)`), times `scale`:
   by default 1/26, Flow-GRPO's `flow_grpo/pickscore_scorer.py` l.49 `scores = scores/26` ("norm
@@ -16,7 +19,7 @@ the checkpoint, the processor and the scale.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
@@ -67,8 +70,15 @@ class ClipEncoder:
                                                           attention_mask=inputs["attention_mask"].to(self.device))))
 
 
+class ClipScoreOptions(Options):
+    scale: Literal["cosine", "clipscore"] = Field("cosine", description="cosine: the cosine of image and prompt "
+                                                  "embeddings, in [-1, 1]; clipscore: 100 * max(cosine, 0), "
+                                                  "CLIPScore as torchmetrics reports it, in [0, 100]")
+
+
 class ClipScore(RewardModel):
-    """Cosine similarity of CLIP's image and prompt embeddings (see the module docstring)."""
+    """CLIP's image-prompt cosine, or CLIPScore (see the module docstring)."""
+    Options = ClipScoreOptions
     default_model = "openai/clip-vit-large-patch14"
     packages = ("transformers",)
 
@@ -87,9 +97,9 @@ class ClipScore(RewardModel):
         alone = [ModelRef(processor, weights=False)] if processor != cls.named_model(options) else []
         return [*super().models(options), *alone]  # a processor of another repo: its files, not its weights
 
-    def factor(self) -> torch.Tensor | float:
-        """What the cosine is multiplied by."""
-        return 1.0
+    def scaled(self, cosine: torch.Tensor) -> torch.Tensor:
+        """The score of a batch's cosines (float32)."""
+        return cosine if self.options.scale == "cosine" else 100 * cosine.clamp(min=0)
 
     @torch.no_grad()
     def __call__(self, images: np.ndarray, prompts: Sequence[Any],
@@ -98,7 +108,7 @@ class ClipScore(RewardModel):
         scores = np.empty(len(texts), dtype=np.float64)
         for rows in self.batches(len(texts)):
             cosine = (self.clip.images(images[rows]) * self.clip.texts(texts[rows])).sum(-1)
-            scores[rows] = (self.factor() * cosine.float()).cpu().numpy()
+            scores[rows] = self.scaled(cosine.float()).cpu().numpy()
         return scores
 
 
@@ -122,5 +132,5 @@ class PickScore(ClipScore):
         model = cls.named_model(options)
         return model if is_tiny(model) else PICKSCORE_PROCESSOR
 
-    def factor(self) -> torch.Tensor:
-        return self.options.scale * self.clip.model.logit_scale.exp().float()
+    def scaled(self, cosine: torch.Tensor) -> torch.Tensor:
+        return self.options.scale * self.clip.model.logit_scale.exp().float() * cosine

@@ -106,6 +106,7 @@ def _records(labels: Sequence[str], scores: torch.Tensor, indices: torch.Tensor,
 class OwlV2:
     """OWLv2 (Minderer et al. 2023) through `Owlv2ForObjectDetection`: one forward per batch of
     images, each with its own prompt's class queries (the processor pads them to the most)."""
+    kind = "owlv2"
 
     def __init__(self, processor, model, template: str):
         self.processor, self.model, self.template = processor, model, template
@@ -138,6 +139,7 @@ class GroundingDino:
     """Grounding DINO (Liu et al. 2023) through `AutoModelForZeroShotObjectDetection`: one forward
     per batch of images, each with its own prompt's classes as one text, "cat. dog." (lower case,
     each phrase ended by a dot, as the model was trained and its processor merges labels)."""
+    kind = "grounding_dino"
 
     def __init__(self, processor, model, template: str):
         self.processor, self.model, self.template = processor, model, template

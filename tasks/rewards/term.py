@@ -46,8 +46,9 @@ class TermConfig(Strict):
         try:
             return found.Options.model_validate(extra)
         except ValidationError as e:
-            raise ValueError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) \
-                from None
+            raise ValueError("; ".join(": ".join(filter(None, (".".join(map(str, err["loc"])),
+                                                              err["msg"].removeprefix("Value error, "))))
+                                       for err in e.errors())) from None
 
     def needs_images(self) -> bool:
         """False for a text term (a refiner can own it by default); a user's function is assumed
