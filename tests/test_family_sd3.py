@@ -8,9 +8,9 @@ import torch
 
 from common.hub import local_model
 from common.loading import DTYPES
-from tests.family_check import (PROMPTS, assert_equals_pipeline, assert_loads_in_bfloat16, assert_logps_are_normal,
-                                assert_lora_reference_is_base, family_config, parts, pipeline_sampled,
-                                sampled_by_jointrl)
+from tests.family_check import (PROMPTS, assert_close, assert_equals_pipeline, assert_loads_in_bfloat16,
+                                assert_logps_are_normal, assert_lora_reference_is_base, family_config, parts,
+                                pipeline_sampled, sampled_by_jointrl)
 
 STEPS = 4
 
