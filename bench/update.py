@@ -55,7 +55,7 @@ def setup(path: Path, beta: float, device: torch.device):
         f"experts.generator.model={{kind: diffusers_flow, path: {path}, guidance_scale: {GUIDANCE}, "
         f"max_sequence_length: 16, lora: {{r: 32, alpha: 32}}}}", "task.image_size=128",
         f"experts.generator.sample_steps={STEPS}", f"experts.generator.kl_beta={beta}"])
-    policy = build_model(config, "generator").to(device)
+    policy = build_model(config, "generator", device=device)
     frontend = build_frontend(config, device)
     cond = frontend.condition([TextPrompt(PROMPTS[i % 2]) for i in range(BATCH)], [{}] * BATCH)
     cond = {k: v.to(device) for k, v in cond.items()}

@@ -37,12 +37,15 @@ class ExpertKind:
     def __init__(self, config, expert_id: str, spec):
         self.config, self.expert_id, self.spec = config, expert_id, spec
 
-    def fresh_model(self) -> torch.nn.Module:
+    def fresh_model(self, device: torch.device) -> torch.nn.Module:
+        """The model before `init`: a pretrained one loaded onto `device`, a tiny one built on the host
+        (its caller moves it)."""
         raise NotImplementedError
 
-    def build_model(self, fresh: bool = False) -> torch.nn.Module:
-        """The model at version 0: seeded, then from `init` unless `fresh`."""
-        return seeded_model(self.config, self.expert_id, self.fresh_model, None if fresh else self.spec.init)
+    def build_model(self, fresh: bool = False, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
+        """The model at version 0: seeded, then from `init` unless `fresh`; a pretrained one on `device`."""
+        return seeded_model(self.config, self.expert_id, lambda: self.fresh_model(device),
+                            None if fresh else self.spec.init)
 
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None) -> tuple[float, dict]:

@@ -57,7 +57,7 @@ class Expert:
         """The model at version 0 on `device` and its frozen reference, which stays in the model's
         dtype; then its trained parameters kept in fp32, noting in `self.computed` the dtype each
         is computed in (experts/precision.py)."""
-        model = self.kind.build_model().to(device)
+        model = self.kind.build_model(device=device).to(device)  # a pretrained model loads onto `device`
         reference = reference_of(model)
         self.computed = precision.keep_trained_in_fp32(model)
         return model, reference

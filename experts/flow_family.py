@@ -37,12 +37,12 @@ class FamilyVelocity(nn.Module):
     `velocity(x, sigma, cond)` (one branch) and may override `guide` and `LORA_TARGETS`."""
     LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the joint attention's projections
 
-    def __init__(self, spec, seed: int):
+    def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu")):
         super().__init__()
         m = spec.model
         self.spec = m
-        self.path = local_model(m.path)
-        self.transformer = component(self.path, load_index(self.path), "transformer", DTYPES[m.dtype])
+        self.path = local_model(m.path, m.revision)
+        self.transformer = component(self.path, load_index(self.path), "transformer", DTYPES[m.dtype], device)
         if m.lora:
             from peft import LoraConfig
             torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built
@@ -100,17 +100,17 @@ class FamilyFrontEnd:
     used evicted first), its VAE and its scheduler. Subclasses name their `COMPONENTS` and define
     `encode_texts` (or `features` and `join`), `latent_grid`, `sigmas` and `decode`."""
     COMPONENTS: tuple[str, ...] = ()
-    ENCODERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")  # frozen modules moved to the device
+    ENCODERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")  # its frozen modules
 
     def __init__(self, config, device: torch.device):
         m = config.experts.generator.model
         self.config, self.spec, self.device = config, m, device
-        self.path = local_model(m.path)
+        self.path = local_model(m.path, m.revision)
         self.index = load_index(self.path)
-        self.parts = {name: component(self.path, self.index, name, DTYPES[m.dtype]) for name in self.COMPONENTS}
+        self.parts = {name: component(self.path, self.index, name, DTYPES[m.dtype], device) for name in self.COMPONENTS}
         for name in self.ENCODERS:
             if self.parts.get(name) is not None:
-                self.parts[name].requires_grad_(False).eval().to(device)
+                self.parts[name].requires_grad_(False).eval()
         self.vae, self.scheduler = self.parts.get("vae"), self.parts.get("scheduler")
         self.latent_shape = self.latent_grid(config.task.image_size)
         self.cache = FeatureCache(int(config.rollout.text_cache_mb * 2 ** 20))

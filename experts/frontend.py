@@ -61,5 +61,6 @@ def build_frontend(config, device: torch.device = torch.device("cpu")):
     if config.experts.generator.model.kind == "diffusers_flow":
         from common.hub import local_model
         from experts.families import family_module
-        return family_module(local_model(config.experts.generator.model.path)).FrontEnd(config, device)
+        m = config.experts.generator.model
+        return family_module(local_model(m.path, m.revision)).FrontEnd(config, device)
     return ShapesFrontEnd(config, device)

@@ -112,13 +112,13 @@ class GeneratorConfig(Strict):
 class GeneratorKind(ExpertKind):
     """The generator learns from every sample's trajectory, with Flow-GRPO's loss (algorithm/losses.py)."""
 
-    def fresh_model(self) -> torch.nn.Module:
+    def fresh_model(self, device: torch.device) -> torch.nn.Module:
         m = self.spec.model
         if m.kind == "diffusers_flow":
             from common.hub import local_model
             from experts.families import family_module
-            return family_module(local_model(m.path)).Velocity(
-                self.spec, derive_seed(self.config.trainer.seed, "init", self.expert_id))
+            return family_module(local_model(m.path, m.revision)).Velocity(
+                self.spec, derive_seed(self.config.trainer.seed, "init", self.expert_id), device)
         from experts.dit import TinyDiT
         return TinyDiT(self.config.task.image_size, 3, m.patch, m.d_model, m.n_layers, m.n_heads,
                        self.config.experts.text_encoder.d_model)

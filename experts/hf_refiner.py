@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.hub import local_model
-from common.loading import DTYPES, load_tokenizer
+from common.loading import DTYPES, load_tokenizer, pretrained
 from tasks.base import Refinement
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # a causal LM's attention projections
@@ -34,14 +34,14 @@ def answer_of(text: str, tag: str | None) -> tuple[str, bool | None]:
 
 
 class HFRefiner(nn.Module):
-    def __init__(self, spec, seed: int):
+    def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu")):
         super().__init__()
         from transformers import AutoModelForCausalLM
         m = spec.model
         self.spec, self.max_new_tokens, self.temperature = m, spec.max_new_tokens, spec.temperature
-        path = local_model(m.path)
+        path = local_model(m.path, m.revision)
         self.tokenizer = load_tokenizer(path)
-        self.lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[m.dtype])
+        self.lm = pretrained(AutoModelForCausalLM, path, DTYPES[m.dtype], device)
         if m.lora:
             from peft import LoraConfig, get_peft_model
             torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built

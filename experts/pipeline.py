@@ -124,7 +124,7 @@ class RolloutPipeline:
         self.config, self.device = config, device
         self.task = build_task(config)
         self.refiner_ids = list(config.experts.active_refiners())
-        self.models = {eid: build_model(config, eid).eval().to(device) for eid in config.experts.ids()}
+        self.models = {eid: build_model(config, eid, device=device).eval().to(device) for eid in config.experts.ids()}
         self.versions: dict[str, int | None] = {eid: None for eid in self.models}
         self.frontend = build_frontend(config, device)
         steps = config.experts.generator.sample_steps

@@ -1,7 +1,8 @@
 """The Qwen-Image family (`QwenImagePipeline`): an MMDiT on 2x2-packed tokens of a causal 3-D VAE's
 latents (B, C, 1, H/8, W/8), a Qwen2.5-VL text encoder read through a chat template whose system turn
 is dropped, and a FlowMatchEulerDiscreteScheduler with dynamic (sequence-length) shifting. As diffusers'
-pipeline: sigmas linspace(1, 1/N, N) shifted by mu = calculate_shift(image tokens), timestep = sigma,
+pipeline: sigmas linspace(1, 1/N, N) shifted by mu = calculate_shift(image tokens), timestep = the
+scheduler's t = sigma * 1000 cast to the model's dtype, then divided by 1000 (in bf16: not bf16(sigma)),
 true classifier-free guidance whose combination is rescaled, token by token, to the conditional
 prediction's norm, latents decoded as z * latents_std + latents_mean.
 
@@ -47,7 +48,7 @@ class Velocity(FamilyVelocity):
     def velocity(self, x, sigma, cond) -> torch.Tensor:
         dtype = self.transformer.dtype
         batch, _, height, width = x.shape
-        out = self.transformer(hidden_states=pack(x).to(dtype), timestep=sigma.to(dtype),
+        out = self.transformer(hidden_states=pack(x).to(dtype), timestep=(sigma * 1000.0).to(dtype) / 1000,
                                encoder_hidden_states=cond["prompt_embeds"].to(dtype),
                                encoder_hidden_states_mask=cond["prompt_embeds_mask"],
                                img_shapes=[[(1, height // 2, width // 2)]] * batch).sample

@@ -80,11 +80,11 @@ class RefinerKind(ExpertKind):
     """A refiner learns from the samples it refined, from its own token batch of each rollout shard,
     with GRPO's token-level loss (algorithm/losses.py)."""
 
-    def fresh_model(self) -> torch.nn.Module:
+    def fresh_model(self, device: torch.device) -> torch.nn.Module:
         m, spec = self.spec.model, self.spec
         if m.kind == "hf_causal_lm":
             from experts.hf_refiner import HFRefiner
-            return HFRefiner(spec, derive_seed(self.config.trainer.seed, "init", self.expert_id))
+            return HFRefiner(spec, derive_seed(self.config.trainer.seed, "init", self.expert_id), device)
         from experts.refiner_lm import TinyCausalLM
         from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
         return TinyCausalLM(len(VOCAB), m.d_model, m.n_layers, m.n_heads, MAX_PROMPT_WORDS + 2 + spec.max_new_tokens,

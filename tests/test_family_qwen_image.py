@@ -1,6 +1,7 @@
 """The Qwen-Image family against diffusers' `QwenImagePipeline` on a tiny random model
-(`tiny:qwen_image`): the same initial latents, steps and true_cfg_scale give the same latents and
-images; the SDE's log-probs are Normal's; the LoRA reference is the base; bfloat16 loads.
+(`tiny:qwen_image`): the same initial latents, steps and true_cfg_scale give the same timesteps,
+latents and images, in float32 and in bfloat16 (tests/family_check.py: `assert_equals_pipeline`); the
+SDE's log-probs are Normal's; the LoRA reference is the base; bfloat16 loads.
 
 What jointrl does differently, none of which changes the result: it keeps each prompt's embeddings
 at their own length and pads a batch to its longest with a mask of the real tokens, as the pipeline
@@ -15,34 +16,28 @@ import pytest
 import torch
 
 from common.hub import local_model
+from common.loading import DTYPES
 from experts.qwen_image import Velocity, pack, unpack
-from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
-                                assert_lora_reference_is_base, family_config, initial_latents, parts,
-                                sampled_by_jointrl)
+from tests.family_check import (PROMPTS, assert_close, assert_equals_pipeline, assert_loads_in_bfloat16,
+                                assert_logps_are_normal, assert_lora_reference_is_base, family_config,
+                                initial_latents, parts, pipeline_sampled, sampled_by_jointrl)
 
 STEPS = 4
 
 
-def pipeline(path: str):
-    from diffusers import QwenImagePipeline
-    pipe = QwenImagePipeline.from_pretrained(path)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
-def test_qwen_image_ode_sampling_equals_the_diffusers_pipeline(guidance):
+def test_qwen_image_ode_sampling_equals_the_diffusers_pipeline(guidance, dtype):
+    from diffusers import QwenImagePipeline
     path = local_model("tiny:qwen_image")
-    frontend, latents, ours, image = sampled_by_jointrl(path, guidance, STEPS)
-    size = frontend.config.task.image_size
+    ours = sampled_by_jointrl(path, guidance, STEPS, dtype=dtype)
+    size = ours.frontend.config.task.image_size
     negative = {"negative_prompt": [""] * len(PROMPTS)} if guidance > 1 else {}
-    common = dict(prompt=PROMPTS, num_inference_steps=STEPS, true_cfg_scale=guidance, max_sequence_length=16,
-                  height=size, width=size, **negative)
-    pipe = pipeline(path)
-    reference = pipe(latents=pack(latents), output_type="latent", **common).images
-    assert_close(ours, unpack(reference, *latents.shape[-2:]), 1e-5, "final latents")
-    pixels = pipe(latents=pack(latents), output_type="pt", **common).images  # [0, 1]
-    assert_close((image + 1) / 2, pixels, 1e-5, "decoded images")
+    pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=DTYPES[dtype])
+    final, pixels, timesteps = pipeline_sampled(pipe, pack(ours.latents), prompt=PROMPTS, num_inference_steps=STEPS,
+                                                true_cfg_scale=guidance, max_sequence_length=16, height=size,
+                                                width=size, **negative)
+    assert_equals_pipeline(ours, ours.final, unpack(final, *ours.latents.shape[-2:]), pixels, timesteps, dtype, STEPS)
 
 
 @torch.no_grad()

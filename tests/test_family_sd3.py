@@ -1,31 +1,33 @@
 """The SD3 family against diffusers' `StableDiffusion3Pipeline` on a tiny random model (`tiny:sd3`):
-the same initial latents, steps and guidance give the same latents and images; the SDE's log-probs
-are Normal's. Nothing the pipeline does is left out here: jointrl batches the guidance's two
-branches in one forward pass, as the pipeline does."""
+the same initial latents, steps and guidance give the same timesteps, latents and images, in float32
+and in bfloat16 (tests/family_check.py: `assert_equals_pipeline`); the SDE's log-probs are Normal's.
+Nothing the pipeline does is left out here: jointrl batches the guidance's two branches in one
+forward pass, as the pipeline does."""
 import pytest
 import torch
 
 from common.hub import local_model
-from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
-                                assert_lora_reference_is_base, family_config, parts, sampled_by_jointrl)
+from common.loading import DTYPES
+from tests.family_check import (PROMPTS, assert_close, assert_equals_pipeline, assert_loads_in_bfloat16,
+                                assert_logps_are_normal, assert_lora_reference_is_base, family_config, parts,
+                                pipeline_sampled, sampled_by_jointrl)
 
 STEPS = 4
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_sd3_ode_sampling_equals_the_diffusers_pipeline(guidance):
+def test_sd3_ode_sampling_equals_the_diffusers_pipeline(guidance, dtype):
     from diffusers import StableDiffusion3Pipeline
     path = local_model("tiny:sd3")
-    frontend, latents, ours, image = sampled_by_jointrl(path, guidance, STEPS)
+    ours = sampled_by_jointrl(path, guidance, STEPS, dtype=dtype)
     pipe = StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None, tokenizer_3=None, image_encoder=None,
-                                                    feature_extractor=None)
-    pipe.set_progress_bar_config(disable=True)
-    common = dict(prompt=PROMPTS, num_inference_steps=STEPS, guidance_scale=guidance, max_sequence_length=16,
-                  height=frontend.config.task.image_size, width=frontend.config.task.image_size)
-    reference = pipe(latents=latents.clone(), output_type="latent", **common).images
-    assert_close(ours, reference, 1e-5, "final latents")
-    pixels = pipe(latents=latents.clone(), output_type="pt", **common).images  # [0, 1]
-    assert_close((image + 1) / 2, pixels, 1e-5, "decoded images")
+                                                    feature_extractor=None, torch_dtype=DTYPES[dtype])
+    size = ours.frontend.config.task.image_size
+    final, pixels, timesteps = pipeline_sampled(pipe, ours.latents, prompt=PROMPTS, num_inference_steps=STEPS,
+                                                guidance_scale=guidance, max_sequence_length=16, height=size,
+                                                width=size)
+    assert_equals_pipeline(ours, ours.final, final, pixels, timesteps, dtype, STEPS)
 
 
 def test_sd3_sde_log_probs_are_normal_log_densities():

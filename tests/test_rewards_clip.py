@@ -139,9 +139,17 @@ def test_pickscore_formula_on_fixed_embeddings(scale, images, monkeypatch):
 
 
 def test_pickscore_processor_option():
+    from common.hub import ModelRef
+    from tasks.rewards.clip import PICKSCORE_PROCESSOR
     cls = resolve("pickscore")
-    assert cls(cls.Options(model="tiny:clip"), CPU).processor_name == "tiny:clip"
+    assert cls(cls.Options(model="tiny:clip"), CPU).clip.processor is not None
+    assert cls.processor_of(cls.Options(model="tiny:clip")) == "tiny:clip"
     assert cls.Options().processor is None and cls.default_model == "yuvalkirstain/PickScore_v1"
+    # what `jointrl download` fetches: the model at its revision, another repo's processor without weights
+    assert cls.models(cls.Options()) == [ModelRef("yuvalkirstain/PickScore_v1"),
+                                         ModelRef(PICKSCORE_PROCESSOR, weights=False)]
+    assert cls.models(cls.Options(model="org/pick", revision="abc", processor="org/pick")) == \
+        [ModelRef("org/pick", "abc")]
     with pytest.raises(ValueError):
         cls.Options(scale=0)
 

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from common.hub import is_tiny, local_model
+from common.hub import ModelRef, is_tiny, local_model
+from common.loading import pretrained
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images
 
@@ -43,13 +44,15 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 
 
 class ClipEncoder:
-    """A `CLIPModel` and its processor, loaded once (in `dtype`, on `device`, in eval mode): the
-    unit embeddings of a batch of images or texts, each in one forward pass."""
+    """A `CLIPModel` (at `revision`) and its processor, loaded once (in `dtype`, on `device`, in eval
+    mode): the unit embeddings of a batch of images or texts, each in one forward pass."""
 
-    def __init__(self, model: str, processor: str, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: str, processor: str, dtype: torch.dtype, device: torch.device,
+                 revision: str | None = None):
         from transformers import AutoProcessor, CLIPModel
-        self.processor = AutoProcessor.from_pretrained(local_model(processor))
-        self.model = CLIPModel.from_pretrained(local_model(model), dtype=dtype).to(device).eval().requires_grad_(False)
+        same = processor == model
+        self.processor = AutoProcessor.from_pretrained(local_model(processor, revision if same else None, weights=same))
+        self.model = pretrained(CLIPModel, local_model(model, revision), dtype, device).eval().requires_grad_(False)
         self.dtype, self.device = dtype, device
 
     @torch.no_grad()
@@ -81,11 +84,18 @@ class ClipScore(RewardModel):
 
     def __init__(self, options: Options, device: torch.device):
         super().__init__(options, device)
-        self.clip = ClipEncoder(self.model_name, self.processor_name, self.dtype, device)
+        self.clip = ClipEncoder(self.model_name, self.processor_of(options), self.dtype, device, options.revision)
 
-    @property
-    def processor_name(self) -> str:
-        return self.model_name
+    @classmethod
+    def processor_of(cls, options: Options) -> str:
+        """The processor's folder, hub id or tiny:<kind>."""
+        return cls.named_model(options)
+
+    @classmethod
+    def models(cls, options: Options) -> list[ModelRef]:
+        processor = cls.processor_of(options)
+        alone = [ModelRef(processor, weights=False)] if processor != cls.named_model(options) else []
+        return [*super().models(options), *alone]  # a processor of another repo: its files, not its weights
 
     def scaled(self, cosine: torch.Tensor) -> torch.Tensor:
         """The score of a batch's cosines (float32)."""
@@ -115,11 +125,12 @@ class PickScore(ClipScore):
     Options = PickScoreOptions
     default_model = "yuvalkirstain/PickScore_v1"
 
-    @property
-    def processor_name(self) -> str:
-        if self.options.processor:
-            return self.options.processor
-        return self.model_name if is_tiny(self.model_name) else PICKSCORE_PROCESSOR
+    @classmethod
+    def processor_of(cls, options: PickScoreOptions) -> str:
+        if options.processor:
+            return options.processor
+        model = cls.named_model(options)
+        return model if is_tiny(model) else PICKSCORE_PROCESSOR
 
     def scaled(self, cosine: torch.Tensor) -> torch.Tensor:
         return self.options.scale * self.clip.model.logit_scale.exp().float() * cosine

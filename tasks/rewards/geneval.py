@@ -76,6 +76,7 @@ import torch
 from pydantic import Field
 
 from common.config import Strict
+from common.hub import ModelRef
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images
 from tasks.rewards.clip import ClipEncoder, features, unit
@@ -278,12 +279,17 @@ class GenEval(RewardModel):
 
     def __init__(self, options: GenEvalOptions, device: torch.device):
         super().__init__(options, device)
-        self.detector = load_detector(self.model_name, options.detector, options.query_template, self.dtype, device)
+        self.detector = load_detector(self.model_name, options.detector, options.query_template, self.dtype, device,
+                                      options.revision)
         self.colours = ColourClassifier(options.clip_model, self.dtype, device)
 
-    @property
-    def model_name(self) -> str:
-        return self.options.model or DEFAULT_MODELS[self.options.detector or "owlv2"]
+    @classmethod
+    def named_model(cls, options: GenEvalOptions) -> str:
+        return options.model or DEFAULT_MODELS[options.detector or "owlv2"]
+
+    @classmethod
+    def models(cls, options: GenEvalOptions) -> list[ModelRef]:
+        return [*super().models(options), ModelRef(options.clip_model)]
 
     def __call__(self, images: np.ndarray, prompts: Sequence[Any],
                  refinements: Sequence[dict[str, Refinement]]) -> np.ndarray:

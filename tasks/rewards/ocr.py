@@ -49,6 +49,7 @@ import torch
 from pydantic import Field, NonNegativeInt, model_validator
 
 from common.hub import local_model
+from common.loading import pretrained
 from tasks.base import Refinement, to_uint8
 from tasks.rewards.base import Options, RewardModel, pil_images
 
@@ -153,10 +154,9 @@ class TrOCRReader:
 
     def __init__(self, model: str, options: OCROptions, dtype: torch.dtype, device: torch.device):
         from transformers import AutoProcessor, VisionEncoderDecoderModel
-        path = local_model(model)
+        path = local_model(model, options.revision)
         self.processor = AutoProcessor.from_pretrained(path)
-        self.model = VisionEncoderDecoderModel.from_pretrained(path, dtype=dtype).to(device).eval() \
-            .requires_grad_(False)
+        self.model = pretrained(VisionEncoderDecoderModel, path, dtype, device).eval().requires_grad_(False)
         self.options, self.dtype, self.device = options, dtype, device
 
     @torch.no_grad()
@@ -183,10 +183,10 @@ class OCR(RewardModel):
     def imports(cls, options: OCROptions) -> tuple[str, ...]:
         return ("rapidocr_onnxruntime",) if options.reader == "rapidocr" else ("transformers",)
 
-    @property
-    def model_name(self) -> str | None:
+    @classmethod
+    def named_model(cls, options: OCROptions) -> str | None:
         """The transformers model the trocr reader loads; None for rapidocr (ONNX files, not a checkpoint)."""
-        return (self.options.model or TROCR_MODEL) if self.options.reader == "trocr" else None
+        return (options.model or TROCR_MODEL) if options.reader == "trocr" else None
 
     def read(self, images: np.ndarray) -> list[str | None]:
         return self.reader.read(images)

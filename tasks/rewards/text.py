@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from common.hub import ModelRef
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, merged
 
@@ -78,7 +79,11 @@ class Length(TextTerm):
             from transformers import AutoTokenizer
 
             from common.hub import local_model
-            self.tokenizer = AutoTokenizer.from_pretrained(local_model(options.tokenizer))
+            self.tokenizer = AutoTokenizer.from_pretrained(local_model(options.tokenizer, weights=False))
+
+    @classmethod
+    def models(cls, options: LengthOptions) -> list[ModelRef]:
+        return [ModelRef(options.tokenizer, weights=False)] if options.tokenizer else []
 
     def size(self, text: str) -> int:
         if self.tokenizer is None:
@@ -126,9 +131,10 @@ class Faithful(TextTerm):
             from transformers import AutoModel, AutoTokenizer
 
             from common.hub import local_model
-            path = local_model(options.model)
+            from common.loading import pretrained
+            path = local_model(options.model, options.revision)
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.encoder = AutoModel.from_pretrained(path, dtype=self.dtype).to(device).eval()
+            self.encoder = pretrained(AutoModel, path, self.dtype, device).eval()
 
     @torch.no_grad()
     def embed(self, texts: list[str]) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch
 from pydantic import Field, field_validator
 
 from common.hub import local_model
+from common.loading import pretrained
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images
 
@@ -93,11 +94,11 @@ class VQAScore(RewardModel):
     def __init__(self, options: VQAScoreOptions, device: torch.device):
         super().__init__(options, device)
         from transformers import AutoImageProcessor, AutoTokenizer
-        path = local_model(self.model_name)
+        path = local_model(self.model_name, options.revision)
         model = model_class(self.model_name, path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.image_processor = AutoImageProcessor.from_pretrained(path)
-        self.model = model.from_pretrained(path, dtype=self.dtype).to(device).eval().requires_grad_(False)
+        self.model = pretrained(model, path, self.dtype, device).eval().requires_grad_(False)
         self.yes_id, self.no_id = (self.tokenizer.encode(a, add_special_tokens=False)[0] for a in ANSWERS)
         if self.yes_id == self.no_id:
             raise ValueError(f"'{self.model_name}': Yes and No begin with the same token")
