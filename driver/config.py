@@ -108,17 +108,18 @@ class ExpertsConfig(Strict):
                                  f"got {section!r}")
         if not isinstance(data.get("refiners", []), list):
             return data  # the schema names it
-        refiners = list(data.get("refiners", []))
+        refiners = [raw_section(r) if isinstance(r, (dict, BaseModel)) else r for r in data.get("refiners", [])]
         for i, overrides in sorted(named.items()):
             refiners += [{} for _ in range(i + 1 - len(refiners))]
-            refiners[i] = {**raw_section(refiners[i]), **overrides} if isinstance(refiners[i], (dict, BaseModel)) \
-                else refiners[i]
-        n, defaults = data.get("n_refiners", cls.model_fields["n_refiners"].default), data.get("refiner_defaults", {})
-        sections = [*refiners, *[{} for _ in range(n - len(refiners))]] if isinstance(n, int) and n >= 1 else refiners
-        if isinstance(defaults, (dict, BaseModel)) and all(isinstance(r, (dict, BaseModel)) for r in sections):
-            sections = [laid_over(raw_section(defaults), raw_section(r), RefinerConfig) for r in sections]
-        if sections or "refiners" in data:
-            data["refiners"] = sections
+            refiners[i] = {**refiners[i], **overrides} if isinstance(refiners[i], dict) else refiners[i]
+        n = data.get("n_refiners", cls.model_fields["n_refiners"].default)
+        if type(n) is int:  # else the schema names what is wrong with it
+            refiners += [{} for _ in range(n - len(refiners))]
+        defaults = data.get("refiner_defaults", {})
+        if isinstance(defaults, (dict, BaseModel)):
+            refiners = [laid_over(raw_section(defaults), r, RefinerConfig) if isinstance(r, dict) else r
+                        for r in refiners]
+        data["refiners"] = refiners
         return data
 
     @model_validator(mode="after")
