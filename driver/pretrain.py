@@ -110,7 +110,8 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
         for group in optimizer.param_groups:
             group["lr"] = pc.lr * 0.5 * (1 + math.cos(math.pi * it / pc.steps))
         batch = caption_batch(rng, pc.batch_size, config.task.image_size, pc.degraded_share, len(segments),
-                              max(segments, default=0), pc.restate_share, config.experts.text_encoder.max_sequence_length)
+                              max(segments, default=0), pc.restate_share,
+                              config.experts.text_encoder.max_sequence_length)
         loss = flow_matching_loss(generator, encoder, *batch, gen)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
