@@ -10,7 +10,7 @@ sync:   time to deliver a generator of ~S MB to W rollout workers. jointrl's pat
         broadcasts its weights into every worker, which checks the fingerprint.
 memory: what W workers holding the generator add to the machine (their private memory plus the
         object-store copy they map) against W private copies (`cluster.share_weights=false`).
-Prints a table and writes bench/results/sync.md (also part of `make bench`).
+Prints a table and writes bench/results/sync.md (`make bench-sync`; `make bench` prints it in perf.md).
 Usage: python bench/sync.py [--sizes 10 100 400] [--workers 1 2 4] [--repeats 5] [--quick]
 """
 from __future__ import annotations
