@@ -96,7 +96,8 @@ class RolloutPipeline:
         self.owners = config.owners()
         scorers = scorers or {}
         self.rewards = RewardSet({name: scorers.get(name) or build_scorer(term, device)
-                                  for name, term in config.reward.terms.items()}, self.owners, config.reward.timeout_s)
+                                  for name, term in config.reward.terms.items()}, self.owners, config.reward.timeout_s,
+                                 config.reward.timeout_per_image_s)
         self.faults: dict[str, int] = {}
 
     def load(self, expert_id: str, version: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -16,14 +16,18 @@ def config(*extra):
     return make_config(f"trainer.steps={STEPS}", "cluster.rollout_workers=2", *extra, preset="shapes-tiny")
 
 
-def test_flat_buffers_round_trip_every_dtype_as_views():
-    tensors = {"w": torch.randn(3, 4), "steps": torch.arange(5), "half": torch.randn(7).to(torch.bfloat16),
-               "b": torch.randn(2)}
-    buffers = flatten(tensors)
-    assert [b.dtype for b in buffers] == [torch.float32, torch.bfloat16, torch.int64]  # one per dtype, name order
-    out = unflatten(buffers, layout(tensors))
-    assert all(torch.equal(out[k], tensors[k]) and out[k].shape == tensors[k].shape for k in tensors)
-    assert out["w"].untyped_storage().data_ptr() == out["b"].untyped_storage().data_ptr()  # views, no copies
+def test_one_byte_buffer_round_trips_every_dtype_as_aligned_views():
+    """A version travels as one uint8 buffer (NCCL has no int16, the words bfloat16 travels as)."""
+    tensors = {"w": torch.randn(3, 4), "steps": torch.arange(5), "b": torch.randn(2), "flag": torch.tensor(True),
+               "words": torch.randn(7).to(torch.bfloat16).view(torch.int16), "one": torch.tensor(2.5, dtype=torch.float64)}
+    plan = layout(tensors)
+    assert all(offset % 16 == 0 for *_, offset in plan)
+    buffer = flatten(tensors)
+    assert buffer.dtype == torch.uint8 and buffer.dim() == 1
+    out = unflatten(buffer, plan)
+    for k, t in tensors.items():
+        assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t), k
+        assert out[k].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # views, no copies
 
 
 def test_the_fingerprint_of_tensors_is_that_of_their_arrays():
