@@ -81,9 +81,9 @@ class RolloutWorker(RolloutPipeline, BroadcastMember):
 
     def serve(self, expert_id: str, version: int, weights: dict, checksum: int | None, share: bool) -> int:
         """Hold `weights` as `version` once they match `checksum`, and serve it between rollouts if it
-        is the newest delivered (at once if no rollout is running, else when the next one that names
-        no versions, or an evaluation, starts); returns `version`. A version older than one held is
-        kept until a rollout names it (it was delivered for a rollout made again)."""
+        is the newest delivered: at once if no rollout is running, else once it is over (the next
+        call that reads what is served catches up); returns `version`. A version older than one
+        held is kept until a rollout names it (it was delivered for a rollout made again)."""
         if checksum is not None and fingerprint(weights) != checksum:
             raise CorruptWeights(f"rollout/{self.index}: {expert_id} v{version} does not match its fingerprint")
         tensors = model_tensors(self.models[expert_id], weights, share)

@@ -102,12 +102,13 @@ MISUSED = ("ncclInvalidUsage", "ncclInvalidArgument")
 
 
 def peer_lost(error: BaseException) -> bool:
-    """Whether `error` says a peer of the process group is gone (see PEER_LOST), not that the call
-    itself was wrong (a tensor on a device the backend does not take, an invalid NCCL call)."""
-    text = str(error)
+    """Whether `error` says a peer of the process group is gone: torch.distributed's own error type
+    (a DistBackendError, DistNetworkError or DistStoreError), or a plain RuntimeError in the words of
+    PEER_LOST (gloo's; NCCL's, where an older torch raised them plainly), unless NCCL called the
+    call itself invalid. A tensor on a device the backend does not take is a mistake, not a loss."""
     if nccl_misused(error):
         return False
-    return isinstance(error, (dist.DistNetworkError, dist.DistStoreError)) or any(w in text for w in PEER_LOST)
+    return isinstance(error, dist.DistError) or any(w in str(error) for w in PEER_LOST)
 
 
 def nccl_misused(error: BaseException) -> bool:

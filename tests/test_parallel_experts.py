@@ -229,6 +229,7 @@ def test_a_lost_peer_is_told_from_a_wrong_call_on_gloo_and_nccl():
     from experts.parallel import Gang, nccl_misused, peer_lost
     as_error = lambda e: e if isinstance(e, BaseException) else dist.DistBackendError(e)  # noqa: E731
     assert all(peer_lost(as_error(e)) for e in LOST)
+    assert all(peer_lost(RuntimeError(e)) for e in LOST if isinstance(e, str))  # in words, as an older torch raised them
     assert peer_lost(dist.DistNetworkError("Connection reset by peer")) and peer_lost(dist.DistStoreError("timeout"))
     assert not any(peer_lost(as_error(e)) for e in MISUSED + WRONG)
     assert all(nccl_misused(as_error(e)) for e in MISUSED) and not any(nccl_misused(as_error(e)) for e in LOST)

@@ -77,7 +77,7 @@ def test_what_leaves_an_expert_or_a_worker_holds_no_tensor_and_restores_exactly(
     from algorithm.batch import step_samples
     from experts import state_file
     from tasks import build_task
-    cfg = make_config(preset="shapes-tiny")
+    cfg = make_config("experts.n_refiners=1", preset="shapes-tiny")
     worker = RolloutWorker(cfg, 0)
     expert = ExpertActor(cfg, "generator")
     for e in cfg.experts.ids():
