@@ -36,7 +36,9 @@ class Options(Strict):
     model: str | None = Field(None, description="the model: a local folder, a hub id or `tiny:<kind>` (a tiny "
                                                 "random one, for tests); None: the built-in's default")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the model's dtype")
-    batch_size: int = Field(16, ge=1, description="images per forward pass")
+    batch_size: int = Field(16, ge=1, description="images per forward pass: every call (from a rollout worker, "
+                                                  "or of `images_per_call` images to a reward actor) runs in "
+                                                  "passes of this many")
 
 
 class RewardModel:
