@@ -253,8 +253,12 @@ class RewardConfig(Strict):
     normalize: Literal["none", "per_term"] = Field("none", description="per_term: each term is normalised within "
                                                    "its prompt group before the weighted sum the advantages use, "
                                                    "so no term dominates by its scale")
-    timeout_s: PositiveFloat = Field(60.0, description="seconds a reward call may take; a slower one drops its "
-                                                       "samples")
+    timeout_s: PositiveFloat = Field(60.0, description="seconds a reward call may take beside its images' "
+                                     "`timeout_per_image_s`; a slower call's term is scored again sample by "
+                                     "sample, and the samples it fails on are dropped")
+    timeout_per_image_s: NonNegativeFloat = Field(1.0, description="seconds a reward call may take per image it "
+                                                  "scores, beside `timeout_s`: the deadline of a call of n images "
+                                                  "is timeout_s + n x this")
     actors: NonNegativeInt = Field(0, description="default for every term that scores images: K > 0: a pool of K "
                                                   "reward actors per term (its model loaded once per actor); 0: "
                                                   "each rollout worker scores (text terms always, unless their "
@@ -266,6 +270,18 @@ class RewardConfig(Strict):
     def weights(self) -> dict[str, float]:
         """Every term's weight in the total."""
         return {name: term.weight for name, term in (self.terms or {}).items()}
+
+    @model_validator(mode="after")
+    def _calls_go_to_actors(self):
+        """`images_per_call` says how a batch is split among a term's reward actors: a term without
+        actors has none to split it among."""
+        pools = self.pools()
+        for name, term in (self.terms or {}).items():
+            if term.images_per_call is not None and name not in pools:
+                raise ValueError(f"reward.terms.{name}.images_per_call={term.images_per_call}: the term is scored "
+                                 f"by each rollout worker, not by reward actors (reward.terms.{name}.actors, "
+                                 f"reward.actors); its scorer's own `batch_size` sets its forward passes")
+        return self
 
     def pools(self) -> dict[str, tuple[int, Resources]]:
         """The terms scored by reward actors: name -> (how many actors, what each reserves)."""
