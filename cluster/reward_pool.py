@@ -17,16 +17,18 @@ import torch
 
 from cluster.recovery import survive
 from cluster.runtime import get
+from cluster.startup import reports_start
 from experts.devices import actor_device
 from tasks.rewards.term import build_scorer
 
 
 class RewardActor:
+    @reports_start
     def __init__(self, config, term: str, index: int):
         torch.set_num_threads(1)
         _, resources = config.reward.pools()[term]
         self.device, self.index = actor_device(resources), index
-        self.scorer = build_scorer(config.reward.terms[term], self.device)
+        self.scorer = build_scorer(config.reward.terms[term], self.device, term)
 
     def score(self, images, prompts, refinements):
         return on_host(self.scorer(images, prompts, refinements))
