@@ -55,8 +55,8 @@ def from_the_hub(error: BaseException) -> bool:
 
 def load_error(error: BaseException, key: str, model: str) -> ModelLoadError:
     """`error`, raised while fetching or loading `model` (named by `key`), as the user reads it."""
-    hint = "; the hub cannot give it here: fetch it beforehand with `jointrl download --config <your config>`" \
-        if from_the_hub(error) else ""
+    hint = "; fetch it beforehand where the hub gives it (a gated model with HF_TOKEN set): `jointrl download " \
+           "--config <your config>`" if from_the_hub(error) else ""
     return ModelLoadError(key, model, one_line(error) + hint)
 
 

@@ -25,6 +25,8 @@ from typing import Callable
 
 import numpy as np
 
+from common.loading import one_line
+
 FAULTS = ("reward_error", "reward_timeout", "reward_nan")
 LOG = logging.getLogger("jointrl.reward")
 
@@ -140,7 +142,7 @@ class GuardedTerm:
                 faults.failed(self.name, why, kind="reward_timeout")
                 first = first or why
             except Exception as e:
-                ok[i], why = False, f"{type(e).__name__}: {e}"
+                ok[i], why = False, one_line(e)
                 faults.failed(self.name, why, kind="reward_error")
                 first = first or why
         if first:  # the user sees why samples are dropped, not only that they are

@@ -327,6 +327,28 @@ def test_a_model_that_fails_to_load_in_an_actor_is_one_paragraph_naming_the_acto
     assert sorted(p.name for p in run.iterdir()) == [".lock", "ray.log"] and took < 60  # (the lock is let go)
 
 
+def test_a_reward_actor_that_cannot_load_its_model_stops_the_start(ray_session, tmp_path, capsys):
+    """A term scored by a pool of reward actors: the run waits for them to start, so one that cannot
+    load its model is said as the actor's failure (not as the reward failing step after step), and
+    the run's actors are gone. (On the tests' shared Ray, the actors' own lines reach stderr too.)"""
+    import ray
+
+    import driver.cli as cli
+    bad, run = unloadable(tmp_path), tmp_path / "unloadable-pool"
+    code = cli.main(["train", "--config", "shapes-tiny", "--set", f"reward.terms={{clip: {{fn: clip_score, "
+                     f"model: {bad}, actors: 1}}}}", "--set", "algorithm.credit=shared", "--set",
+                     "experts.generator.owns=null", "--set", "experts.n_refiners=1", "--run-dir", str(run)])
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jointrl:")]
+    assert code == 2 and len(said) == 1, said
+    assert said[0].startswith(f"jointrl: the run could not start: actor {run.name}/reward/clip/0 failed as it "
+                              f"started: reward.terms.clip.model: cannot load '{bad}'"), said
+    deadline = time.monotonic() + 10  # the actors the driver owned die with it, as Ray gets to them
+    while left := [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith(f"{run.name}/")]:
+        assert time.monotonic() < deadline, left
+        time.sleep(0.1)
+
+
 def test_an_experts_model_that_fails_to_load_is_named_by_its_path_key(tmp_path, capsys):
     import driver.cli as cli
     bad = unloadable(tmp_path)
