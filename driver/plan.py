@@ -374,8 +374,9 @@ def expert_of(name: str) -> str | None:
 
 
 def place(actors: dict[str, ActorPlan], target: Target) -> list[list[str]]:
-    """The GPU of each GPU actor: one each while there are GPUs enough, else first-fit decreasing
-    into shared GPUs (two ranks of one expert never share); raises PlanError."""
+    """The GPU of each GPU actor: one each while there are GPUs enough, else, largest first, each on
+    the emptiest GPU it fits (so as few share as the count needs; two ranks of one expert never
+    share); raises PlanError."""
     gpu_actors = [a for a in actors.values() if a.wants_gpu]
     cap = target.usable
     for a in gpu_actors:
@@ -396,7 +397,7 @@ def place(actors: dict[str, ActorPlan], target: Target) -> list[list[str]]:
                 f"{target.source}): {a.name} ({a.total / GB:.1f} GB) finds no GPU with room. What would make it fit: "
                 f"fewer rollout workers (cluster.rollout_workers), fewer reward actors (reward.terms.<name>.actors), "
                 f"or for the largest actors: " + "; ".join(a.advice) + f". Nothing was started.")
-        i = fits[0]
+        i = min(fits, key=lambda i: used[i])  # the emptiest: share as little as the count allows
         bins[i].append(a.name)
         used[i] += a.total
     return bins
