@@ -114,6 +114,18 @@ def pipeline_class(folder: Path) -> str:
 # --- models on the meta device ---------------------------------------------------------------------
 
 
+def in_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module` cast to `dtype` (on the meta device nothing is copied; diffusers' notice that a cast
+    after loading may differ from loading in the dtype does not apply to a count and is silenced)."""
+    from diffusers.utils import logging as diffusers_logging
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        return module.to(dtype)
+    finally:
+        diffusers_logging.set_verbosity(level)
+
+
 def meta_component(folder: Path, library: str, cls: str) -> nn.Module:
     """A diffusers or transformers class from the config in `folder`, on the meta device."""
     found = getattr(importlib.import_module(library), cls)
@@ -160,11 +172,12 @@ def add_lora(module: nn.Module, lora, targets) -> int:
     from peft import LoraConfig
     before = sum(p.numel() for p in module.parameters())
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=lora.target_modules or targets)
-    if isinstance(module, ModelMixinTypes()):
-        module.add_adapter(config)  # diffusers' own, as the generator attaches it
-    else:
-        from peft import inject_adapter_in_model
-        inject_adapter_in_model(config, module)
+    with META:  # the adapter on the meta device too (no initialisation runs)
+        if isinstance(module, ModelMixinTypes()):
+            module.add_adapter(config)  # diffusers' own, as the generator attaches it
+        else:
+            from peft import inject_adapter_in_model
+            inject_adapter_in_model(config, module)
     for name, p in module.named_parameters():
         p.requires_grad_("lora_" in name)
     return sum(p.numel() for p in module.parameters()) - before
@@ -350,7 +363,7 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
     built = {name: meta_component(folder / name, *spec) for name, spec in parts.items()}
     transformer = built.pop("transformer")
     dtype = dtype_of(m.dtype)
-    transformer.to(dtype)
+    in_dtype(transformer, dtype)
     size = count(transformer)
     from experts.parallel import blocks
     largest = max((count(b) for b in blocks(transformer)), default=size)
@@ -371,7 +384,7 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
         cond = {k: torch.empty((batch, *shape), device=META, dtype=dt or dtype) for k, (shape, dt) in shapes.items()}
         return x, torch.empty(batch, device=META), cond
     one = measure(transformer, lambda: velocity.velocity(*inputs(1)))
-    vae = built["vae"].to(dtype)
+    vae = in_dtype(built["vae"], dtype)
     decode = measure(vae, lambda: frontend.decode(torch.empty((1, *latent_shape), device=META, dtype=dtype)),
                      grad=False).working_set
     features = sum(math.prod(shape) * (torch.tensor([], dtype=dt or dtype).element_size())
