@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 GPU_PRESETS = ["gpu", "sd3", "flux1", "flux2-klein", "qwen-image", "geneval", "pickscore", "ocr"]
 # (what, how the planner counts it, published size, where it is published)
 PUBLISHED = [
-    ("FLUX.1-dev transformer", ("flux1", "transformer"), 12e9, "model card: 12 B (diffusers counts 11.9 B)"),
-    ("Qwen-Image transformer", ("qwen-image", "transformer"), 20e9, "model card: 20 B MMDiT"),
+    ("FLUX.1-dev transformer", ("flux1", "transformer"), 12e9, "model card: 12 B (issue 30: about 11.9 B)"),
+    ("Qwen-Image transformer", ("qwen-image", "transformer"), 20e9, "model card: 20 B MMDiT (issue 30: about 20.4 B)"),
     ("SD3.5-medium transformer", ("sd3", "transformer"), 2.5e9, "model card: 2.5 B (MMDiT-X)"),
     ("FLUX.2-klein-base-9B transformer", ("flux2-klein", "transformer"), 9e9, "model card: 9 B"),
     ("FLUX.2-klein-4B transformer", ("klein-4b", "transformer"), 4e9, "model card: 4 B"),
@@ -41,14 +41,14 @@ PUBLISHED = [
     ("Qwen3-4B (klein 4B's text encoder)", ("klein-4b", "text_encoder"), 4.0e9, "Qwen3 model card: 4.0 B"),
     ("Qwen2.5-VL-7B (Qwen-Image's text encoder)", ("qwen-image", "text_encoder"), 8.29e9,
      "model page: 8.29 B"),
-    ("T5 v1.1 XXL encoder (SD3, FLUX.1)", ("sd3", "text_encoder_3"), 4.76e9, "(no published figure for the encoder "
-                                                                            "alone found)"),
+    ("T5 v1.1 XXL encoder (SD3, FLUX.1)", ("sd3", "text_encoder_3"), None, "no published figure for the encoder "
+                                                                          "alone found"),
     ("Qwen2.5-0.5B-Instruct (refiners)", ("lm", "Qwen/Qwen2.5-0.5B-Instruct"), 0.49e9, "model card: 0.49 B"),
     ("PickScore_v1 (CLIP ViT-H/14)", ("reward", "yuvalkirstain/PickScore_v1"), 0.986e9,
      "OpenCLIP ViT-H-14: 986 M"),
     ("CLIP ViT-L/14 (GenEval colours)", ("reward", "openai/clip-vit-large-patch14"), 428e6, "model page: 428 M"),
-    ("OWLv2 base patch16 (GenEval detector)", ("reward", "google/owlv2-base-patch16-ensemble"), 155e6,
-     "(no published figure found)"),
+    ("OWLv2 base patch16 (GenEval detector)", ("reward", "google/owlv2-base-patch16-ensemble"), None,
+     "no published figure found"),
     ("TrOCR base printed", ("reward", "microsoft/trocr-base-printed"), 334e6, "TrOCR paper, Table: 334 M"),
 ]
 
@@ -95,7 +95,8 @@ def counts_table() -> list[str]:
              "| model | planner (B) | published (B) | difference | source |", "|---|---|---|---|---|"]
     for name, how, size, source in PUBLISHED:
         n = counted(how)
-        lines.append(f"| {name} | {n / 1e9:.3f} | {size / 1e9:.3g} | {100 * (n - size) / size:+.1f} % | {source} |")
+        published, off = (f"{size / 1e9:.3g}", f"{100 * (n - size) / size:+.1f} %") if size else ("-", "-")
+        lines.append(f"| {name} | {n / 1e9:.3f} | {published} | {off} | {source} |")
     return lines + [""]
 
 

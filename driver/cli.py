@@ -335,8 +335,11 @@ def run_plan(args) -> int:
     placed = None
     if args.place:
         from cluster.place_check import placed_ids
-        placed = placed_ids(plan.gpu_groups(), config.cluster.address, plan.target.gpus,
-                            config.cluster.placement_timeout_s, verbose=config.logging.ray_verbose)
+        from cluster.placement import PlacementError
+        try:
+            placed = placed_ids(config, plan.gpu_groups(), plan.target.gpus, verbose=config.logging.ray_verbose)
+        except PlacementError as e:
+            raise PlanError(f"--place: {e}; everything reserved was released") from None
     if args.json:
         print(json.dumps({**plan.to_json(), **({"placed": placed} if placed is not None else {})}, indent=2))
     else:

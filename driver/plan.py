@@ -54,6 +54,10 @@ class PlanError(ConfigError):
     """The config cannot fit its target (or the target has no GPU for it); exit status 2."""
 
 
+class UnknownArchitecture(PlanError):
+    """A model of the config whose config files are not at hand (experts/memory.py `config_folder`)."""
+
+
 @dataclass(frozen=True)
 class Target:
     """The cluster planned for: `source` says where it came from (flags, a Ray cluster, plan.target)."""
@@ -83,6 +87,7 @@ class ActorPlan:
     params: dict[str, int]
     bytes: dict[str, int]
     advice: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     gpus: list[int] = field(default_factory=list)
     share: float = 0.0
 
@@ -116,7 +121,7 @@ class Plan:
     def to_json(self) -> dict:
         return {"target": asdict(self.target),
                 "actors": {n: {"gpus": a.gpus, "share": a.share, "phase": a.phase, "params": a.params,
-                               "bytes": a.bytes, "total": a.total} for n, a in self.actors.items()},
+                               "bytes": a.bytes, "total": a.total, "notes": a.notes} for n, a in self.actors.items()},
                 "gpus": [asdict(g) for g in self.gpus], "idle": self.idle, "host_bytes": self.host_bytes}
 
 
@@ -203,8 +208,13 @@ def generator_expert(config: Config, rank: int) -> ActorPlan:
     parts["trajectories (one step)"] = samples * (2 * trained_steps_n * arch.latent_numel * 4 + spec.sample_steps * 4
                                                   + arch.text_features) + arch.text_features
     advice = generator_advice(config, arch, batch, ac)
+    notes = [f"a pass through the transformer: {arch.image_tokens} image tokens (latent "
+             f"{'x'.join(map(str, arch.latent_shape))}) + {arch.text_tokens} text tokens; {batch} passes per backward "
+             f"pass ({spec.micro_batch or share} transitions{', doubled by guidance' if batch > (spec.micro_batch or share) else ''}), "
+             f"activation checkpointing {'on' if ac else 'off'}: {arch.train.kept(batch, ac) / GB:.1f} GB kept "
+             f"({arch.train.kept(batch, not ac) / GB:.1f} GB {'without' if ac else 'with'} it)"]
     return ActorPlan(name, "update", wants_gpu(spec.resources), {"transformer": arch.transformer, "lora": arch.lora},
-                     {k: int(v) for k, v in parts.items()}, advice)
+                     {k: int(v) for k, v in parts.items()}, advice, notes)
 
 
 def generator_advice(config: Config, arch, batch: int, ac: bool) -> list[str]:
@@ -274,7 +284,6 @@ def refiner_expert(config: Config, eid: str, rank: int) -> ActorPlan:
 
 def reward_models(term) -> dict[str, tuple[str, str]]:
     """The models a reward term loads: option name -> (model, dtype)."""
-    from experts.hub import is_tiny
     from tasks.rewards import is_model, resolve
     found = resolve(term.fn)
     if not is_model(found):
@@ -283,8 +292,7 @@ def reward_models(term) -> dict[str, tuple[str, str]]:
     scorer = object.__new__(found)  # its own `model_name` (a default per detector, per term)
     scorer.options = options
     models = {"model": getattr(scorer, "model_name", None), "clip_model": getattr(options, "clip_model", None)}
-    return {k: (v, options.dtype) for k, v in models.items()
-            if isinstance(v, str) and (is_tiny(v) or found.needs_images or k == "model" and options.model)}
+    return {k: (v, options.dtype) for k, v in models.items() if isinstance(v, str)}
 
 
 def reward_parts(term) -> tuple[dict[str, int], dict[str, int]]:
@@ -326,6 +334,20 @@ def rollout_worker(config: Config, j: int) -> ActorPlan:
         working["decode"] = arch.decode_working_set * chunk
         parts["trajectories (one chunk)"] = chunk * (spec.sample_steps + 1) * arch.latent_numel * 4 * 2 \
             + chunk * arch.text_features * guided(spec)
+    else:  # the tiny DiT and its text encoder
+        from experts.frontend import build_text_encoder
+        from experts.kinds import build_model
+        params["generator"] = sum(p.numel() for p in build_model(config, "generator", fresh=True).parameters())
+        params["text_encoder"] = sum(p.numel() for p in build_text_encoder(config, fresh=True).parameters())
+        parts["weights: generator"] = 4 * params["generator"]
+        parts["weights: text_encoder"] = 4 * params["text_encoder"]
+        side = config.task.image_size
+        parts["trajectories (one chunk)"] = chunk * (spec.sample_steps + 1) * 3 * side * side * 4 * 2
+    for eid, r in config.experts.active_refiners().items():
+        if r.model.kind == "tiny_lm":
+            from experts.kinds import build_model
+            params[eid] = sum(p.numel() for p in build_model(config, eid, fresh=True).parameters())
+            parts[f"weights: {eid}"] = 4 * params[eid]
     parts["text cache (rollout.text_cache_mb)"] = int(config.rollout.text_cache_mb * MIB)
     pooled = config.reward.pools()
     for name, term in config.reward.terms.items():
@@ -432,7 +454,7 @@ def plan_for(config: Config, target: Target) -> Plan:
     try:
         actors = actors_of(config)
     except UnknownModel as e:
-        raise PlanError(f"{e}. Nothing was started.") from None
+        raise UnknownArchitecture(f"{e}. Nothing was started.") from None
     if target.gpus == 0 and any(a.wants_gpu for a in actors.values()):
         asking = [a.name for a in actors.values() if a.wants_gpu]
         raise PlanError(f"the target has no GPU ({target.source}), but {', '.join(asking)} ask for one "
@@ -450,7 +472,9 @@ def plan_for(config: Config, target: Target) -> Plan:
                             int(target.gpu_memory_gb * GB) - used))
     idle = {phase: [g.id for g in gpus if not any(actors[n].phase in (phase, "always") for n in g.actors)]
             for phase in ("rollout", "update")}
-    host = sum(a.total for a in actors.values() if not a.wants_gpu)
+    generator = actors["expert/generator"].bytes
+    in_store = generator.get("trajectories (one step)", 0)  # the rollouts' outputs wait in the object store
+    host = sum(a.total for a in actors.values() if not a.wants_gpu) + in_store
     return Plan(target, actors, gpus, idle, host)
 
 
@@ -477,7 +501,9 @@ def report(plan: Plan) -> str:
         lines.append(f"{a.name} [{where}, {a.phase}]: {a.total / GB:.2f} GB"
                      + ("; params " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in a.params.items()) if a.params else ""))
         lines += [f"    {part}: {b / GB:.3f} GB" for part, b in a.bytes.items() if b]
-    lines.append(f"\nhost memory of the actors without a GPU: {plan.host_bytes / GB:.2f} GB")
+        lines += [f"    ({note})" for note in a.notes]
+    lines.append(f"\nhost memory: {plan.host_bytes / GB:.2f} GB (the actors without a GPU, and one step's "
+                 f"trajectories in the object store)")
     return "\n".join(lines)
 
 

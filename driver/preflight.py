@@ -183,11 +183,12 @@ def memory_problem(config: Config, have: float | None = None, where: str = "this
     """Why a CPU run cannot fit in `have` bytes (default: this machine's memory, for a run on a Ray of
     its own; a cluster's is checked once connected, with what Ray reports); None if it may. The
     need is the memory plan's (driver/plan.py): every actor's models, optimizer state,
-    activations, trajectories and caches, all held in host memory. A run that asks for GPUs is
-    planned against them once connected (`fits_cluster`)."""
+    activations, trajectories and caches, all held in host memory (a model whose config files are
+    not here yet is not sized: it is fetched when loaded). A run that asks for GPUs is planned
+    against them once connected (`fits_cluster`)."""
     import os
 
-    from driver.plan import PlanError, host_plan, wants_gpu
+    from driver.plan import PlanError, UnknownArchitecture, host_plan, wants_gpu
     if any(wants_gpu(r) for r in gpu_asks(config)):
         return None
     if have is None:
@@ -196,6 +197,8 @@ def memory_problem(config: Config, have: float | None = None, where: str = "this
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         plan = host_plan(config)
+    except UnknownArchitecture:  # a hub model whose config files are not here: sized once it is fetched
+        return None
     except PlanError as e:
         return str(e)
     if plan.host_bytes <= have:

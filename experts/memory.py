@@ -212,7 +212,7 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
         value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # the kernel takes an additive mask
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
@@ -389,12 +389,12 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
                      grad=False).working_set
     features = sum(math.prod(shape) * (torch.tensor([], dtype=dt or dtype).element_size())
                    for shape, dt in shapes.values())
-    image_tokens = transformer_image_tokens(family, latent_shape, dict(transformer.config))
+    image_tokens = transformer_image_tokens(family, latent_shape)
     return GeneratorArchitecture(family, size, largest, lora, {name: count(part) for name, part in built.items()}, latent_shape,
                                  image_tokens, text_tokens, one.kept, one.working_set, decode, features)
 
 
-def transformer_image_tokens(family: str, latent_shape: tuple[int, ...], config: dict) -> int:
+def transformer_image_tokens(family: str, latent_shape: tuple[int, ...]) -> int:
     """Image tokens the transformer reads: the latent grid's cells, after its 2x2 packing or patching."""
     _, h, w = latent_shape
     if family == "Flux2KleinPipeline":
