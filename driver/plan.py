@@ -35,7 +35,6 @@ Conventions counted (those the experts implement, stated once here):
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -299,7 +298,7 @@ def reward_parts(term) -> tuple[dict[str, int], dict[str, int]]:
     """(parameter counts, bytes) of a term's models at its batch size."""
     params, parts = {}, {}
     batch = getattr(term.options(), "batch_size", 1)
-    for option, (path, dtype) in reward_models(term).items():
+    for path, dtype in reward_models(term).values():
         arch = reward_architecture(path, dtype)
         params[path] = arch.params
         parts[f"weights: {path}"] = arch.params * DTYPE_BYTES[dtype]
@@ -505,10 +504,6 @@ def report(plan: Plan) -> str:
     lines.append(f"\nhost memory: {plan.host_bytes / GB:.2f} GB (the actors without a GPU, and one step's "
                  f"trajectories in the object store)")
     return "\n".join(lines)
-
-
-def dumps(plan: Plan) -> str:
-    return json.dumps(plan.to_json(), indent=2)
 
 
 def target_for(config: Config, gpus: int | None = None, gpu_memory_gb: float | None = None,

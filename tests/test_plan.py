@@ -139,3 +139,19 @@ def test_place_on_a_cpu_ray_declaring_gpus_gives_each_actor_the_plans_gpu(tmp_pa
     by_plan = {frozenset(g["actors"]) for g in plan["gpus"] if g["actors"]}
     assert {frozenset(v) for v in by_ray.values()} == by_plan  # actors share an id exactly where the plan says
     assert any(len(g) > 1 for g in by_plan)
+
+
+def test_once_connected_to_a_cluster_with_gpus_train_is_planned_against_them(monkeypatch):
+    import ray
+
+    from driver.preflight import fits_cluster
+    node = {"Alive": True, "Resources": {"GPU": 8.0, "CPU": 64.0}}
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 8.0, "CPU": 64.0, "memory": 2.0 ** 40})
+    monkeypatch.setattr(ray, "nodes", lambda: [node])
+    fits_cluster(resolve_config("sd3"))  # its layout fits 8 GPUs of 80 GB
+    with pytest.raises(PlanError, match="do not fit the target's 8 GPUs"):  # 9 actors of 56-67 GB on 8 GPUs
+        fits_cluster(resolve_config("qwen-image", ["cluster.rollout_workers=8"]))
+    node["Resources"]["GPU"] = 1.0
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 1.0, "CPU": 8.0})
+    with pytest.raises(PlanError, match="expert/generator needs .* the Ray cluster"):
+        fits_cluster(resolve_config("flux2-klein", ["experts.generator.parallel.ranks=1"]))
