@@ -8,10 +8,10 @@ the update's measured peak memory.
     (configs/architectures), against the sizes their model cards publish.
 (c) On CPU, a generator update (loss and gradient, one step of every sample per backward pass:
     4 samples, 8 passes through the transformer under guidance, reference forward for the KL)
-    on a tiny SD3 and a tiny FLUX.2 klein, measured as bench/update.py measures it (a fresh
-    process; the resident high-water mark above what it held before the update, glibc's mmap
-    threshold fixed so freed tensors leave RSS), against the plan's activations + reference
-    forward + adapter gradients for the same config. Bar: within 25 %.
+    on a tiny SD3 and a tiny FLUX.2 klein, with and without activation checkpointing, measured
+    as bench/update.py measures it (a fresh process; the resident high-water mark above what it
+    held before the update, glibc's mmap threshold fixed so freed tensors leave RSS), against the
+    plan's activations + reference forward + adapter gradients for the same config. Bar: within 25 %.
 
     python bench/plans.py [--out bench/results/plans.md]
 """
@@ -130,17 +130,18 @@ MODELS = {  # name -> (how its folder is made, image size, max_sequence_length)
 }
 
 
-def config_of(path: Path, image_size: int, text: int):
+def config_of(path: Path, image_size: int, text: int, checkpointing: bool):
     from driver.config import load_config
-    return load_config("shapes-tiny", [
+    return load_config("shapes-tiny", [f"experts.generator.parallel.activation_checkpointing={checkpointing}",
         f"experts.generator.model={{kind: diffusers_flow, path: {path}, guidance_scale: {GUIDANCE}, "
         f"max_sequence_length: {text}, lora: {{r: 32, alpha: 32}}}}", f"task.image_size={image_size}",
         f"experts.generator.sample_steps={STEPS}", f"experts.generator.kl_beta={BETA}", "trainer.prompts_per_step=1",
         f"algorithm.group_size={BATCH}", "algorithm.num_skip_refinement=1"])
 
 
-def measure_child(path: str, image_size: int, text: int) -> dict:
-    """In this (fresh) process: the update's peak, and the plan's parts for the same config."""
+def measure_child(path: str, image_size: int, text: int, checkpointing: bool) -> dict:
+    """In this (fresh) process: the update's peak, and the plan's parts for the same config (the
+    policy's blocks recomputed in the backward pass if `checkpointing`, as the expert does)."""
     import torch
 
     from algorithm.sde import sample
@@ -151,9 +152,12 @@ def measure_child(path: str, image_size: int, text: int) -> dict:
     from tasks.base import TextPrompt
     update = load_bench_update()
     torch.set_num_threads(1)
-    config = config_of(Path(path), image_size, text)
+    from experts.parallel import checkpoint_activations
+    config = config_of(Path(path), image_size, text, checkpointing)
     planned = generator_expert(config, 0).bytes
     policy = build_model(config, "generator")
+    if checkpointing:
+        checkpoint_activations(policy)
     frontend = build_frontend(config, torch.device("cpu"))
     cond = frontend.condition([TextPrompt(p) for p in ["a red circle above a blue square", "two green triangles"] * 2],
                               [{}] * BATCH)
@@ -187,22 +191,24 @@ def measured_table() -> list[str]:
              "high-water mark above the update's start (bench/update.py's PeakMemory, a fresh process, glibc's mmap "
              "threshold at 128 KiB). Planned: the plan's `activations (one micro-batch)` + `reference forward` + "
              "`grads (fp32)` of expert/generator for the same config.", "",
-             "| model | measured (MiB) | planned (MiB) | planned / measured | activations | reference | grads |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | activation checkpointing | measured (MiB) | planned (MiB) | planned / measured | activations | "
+             "reference | grads |", "|---|---|---|---|---|---|---|---|"]
     update = load_bench_update()
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (kind, size, text) in MODELS.items():
+        for (name, (kind, size, text)), checkpointing in [(m, c) for m in MODELS.items() for c in (False, True)]:
             path = update.model_dir(Path(tmp)) if kind == "sd3" else tiny_klein(Path(tmp))
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-            out = subprocess.run([sys.executable, __file__, "--child", json.dumps([str(path), size, text])],
+            out = subprocess.run([sys.executable, __file__, "--child", json.dumps([str(path), size, text,
+                                                                                    checkpointing])],
                                  check=True, capture_output=True, text=True, env=env).stdout
             r = json.loads(out.strip().splitlines()[-1])
             p = r["planned"]
             parts = [p["activations (one micro-batch)"], p["reference forward"], p["grads (fp32)"]]
             plan = sum(parts)
             ratios.append(plan / r["peak_bytes"])
-            lines.append(f"| {name} | {r['peak_bytes'] / 2**20:.0f} | {plan / 2**20:.0f} | {plan / r['peak_bytes']:.2f} | "
+            lines.append(f"| {name} | {'on' if checkpointing else 'off'} | {r['peak_bytes'] / 2**20:.0f} | "
+                         f"{plan / 2**20:.0f} | {plan / r['peak_bytes']:.2f} | "
                          + " | ".join(f"{x / 2**20:.0f}" for x in parts) + " |")
             print(lines[-1], flush=True)
     lines += ["", "Bar: within 25 % (planned / measured in 0.75 .. 1.25): "
