@@ -11,7 +11,7 @@ the update's measured peak memory.
     on a tiny SD3 and a tiny FLUX.2 klein, with and without activation checkpointing, measured
     as bench/update.py measures it (a fresh process; the resident high-water mark above what it
     held before the update, glibc's mmap threshold fixed so freed tensors leave RSS), against the
-    plan's activations + reference forward + adapter gradients for the same config. Bar: within 25 %.
+    plan's activations of one micro-batch + adapter gradients for the same config. Bar: within 25 %.
 
     python bench/plans.py [--out bench/results/plans.md]
 """
@@ -189,10 +189,11 @@ def measured_table() -> list[str]:
              f"One backward pass of the update: {BATCH} samples x 1 trained step, {2 * BATCH} passes through the "
              f"transformer (guidance {GUIDANCE}), the reference's forward (beta {BETA}), LoRA r=32. Measured: resident "
              "high-water mark above the update's start (bench/update.py's PeakMemory, a fresh process, glibc's mmap "
-             "threshold at 128 KiB). Planned: the plan's `activations (one micro-batch)` + `reference forward` + "
-             "`grads (fp32)` of expert/generator for the same config.", "",
+             "threshold at 128 KiB). Planned: the plan's `activations (one micro-batch)` (the most the forward and "
+             "backward pass hold at once, the reference's pass included) + `grads (fp32)` of expert/generator for the "
+             "same config.", "",
              "| model | activation checkpointing | measured (MiB) | planned (MiB) | planned / measured | activations | "
-             "reference | grads |", "|---|---|---|---|---|---|---|---|"]
+             "grads |", "|---|---|---|---|---|---|---|"]
     update = load_bench_update()
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,7 +205,7 @@ def measured_table() -> list[str]:
                                  check=True, capture_output=True, text=True, env=env).stdout
             r = json.loads(out.strip().splitlines()[-1])
             p = r["planned"]
-            parts = [p["activations (one micro-batch)"], p["reference forward"], p["grads (fp32)"]]
+            parts = [p["activations (one micro-batch)"], p["grads (fp32)"]]
             plan = sum(parts)
             ratios.append(plan / r["peak_bytes"])
             lines.append(f"| {name} | {'on' if checkpointing else 'off'} | {r['peak_bytes'] / 2**20:.0f} | "

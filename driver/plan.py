@@ -18,8 +18,9 @@ Conventions counted (those the experts implement, stated once here):
   one computing, one prefetched) come on top, or the whole model with `defer_gradient_sync`.
 - The generator's update: `experts.generator.micro_batch` transitions per backward pass (None:
   one step of every sample of the rank's share), doubled through the transformer by classifier-
-  free guidance when `train_cfg` and guidance_scale > 1; its reference's forward (kl_beta > 0) is
-  a no-grad pass of the same batch. Each rank receives the step's trajectories: the trained
+  free guidance when `train_cfg` and guidance_scale > 1; its activations are the most its forward
+  and backward pass hold at once (experts/memory.py `Activations.update_peak`), with the
+  reference's no-grad pass (kl_beta > 0) run while the forward's tensors are kept. Each rank receives the step's trajectories: the trained
   steps' states (x_t and x_{t+1} of each SDE step of `sde_window`, less the last without
   `train_final_step`) in fp32, the log-probs, and the conditioning in the model's dtype with the
   empty prompt's once.
@@ -201,8 +202,8 @@ def generator_expert(config: Config, rank: int) -> ActorPlan:
         parts["fsdp gathered blocks"] = gathered + (arch.transformer * 4 if par.defer_gradient_sync and not m.lora else 0)
     batch = (spec.micro_batch or share) * (2 if spec.train_cfg and guided(spec) == 2 else 1)
     ac = par.activation_checkpointing
-    parts["activations (one micro-batch)"] = arch.train.backward_peak(batch, ac) if spec.train else 0
-    parts["reference forward"] = arch.sample_working_set * batch if spec.train and spec.kl_beta > 0 else 0
+    reference = arch.sample_working_set if spec.kl_beta > 0 else 0  # its no-grad pass beside the kept tensors
+    parts["activations (one micro-batch)"] = arch.train.update_peak(batch, ac, reference) if spec.train else 0
     trained_steps_n = trained_steps(spec)
     parts["trajectories (one step)"] = samples * (2 * trained_steps_n * arch.latent_numel * 4 + spec.sample_steps * 4
                                                   + arch.text_features) + arch.text_features
@@ -267,11 +268,11 @@ def refiner_expert(config: Config, eid: str, rank: int) -> ActorPlan:
     trained, frozen = (arch.lora, arch.params) if m.lora else (arch.params, arch.params)
     parts = training_state(trained, frozen, width, ranks, fsdp) if spec.train else {"frozen weights": width * arch.params}
     ac = par.activation_checkpointing
-    logits = batch * spec.max_new_tokens * arch.vocab * 4 * 3  # fp32 logits, their log-softmax, its gradient
-    parts["activations (one micro-batch)"] = arch.train_per_token.backward_peak(batch * seq, ac) + logits \
+    # fp32 logits at the generated tokens: the policy's, their log-softmax and its gradient; the reference's
+    logits = batch * spec.max_new_tokens * arch.vocab * 4 * (3 + (spec.kl_beta > 0))
+    reference = arch.working_set_per_token if spec.kl_beta > 0 else 0
+    parts["activations (one micro-batch)"] = arch.train_per_token.update_peak(batch * seq, ac, reference) + logits \
         if spec.train else 0
-    parts["reference forward"] = (arch.working_set_per_token * batch * seq + logits // 3) \
-        if spec.train and spec.kl_beta > 0 else 0
     parts["token batches (one step)"] = refined_samples(config) * (seq * 8 + spec.max_new_tokens * 5)
     key = f"experts.{eid}"
     advice = [f"a smaller {key}.micro_batch (now {batch} sequences per backward pass)"]

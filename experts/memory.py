@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from experts.hub import is_tiny, local_model
+from experts.parallel import blocks
 
 ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "architectures"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -107,7 +108,8 @@ def weighted_components(folder: Path) -> dict[str, tuple[str, str]]:
             and not name.startswith(("tokenizer", "scheduler", "processor", "feature_extractor"))}
 
 
-def pipeline_class(folder: Path) -> str:
+def index_class(folder: Path) -> str:
+    """The pipeline class a model_index.json names (its family)."""
     return json.loads((folder / "model_index.json").read_text()).get("_class_name", "?")
 
 
@@ -137,6 +139,7 @@ def meta_component(folder: Path, library: str, cls: str) -> nn.Module:
 
 
 def meta_causal_lm(folder: Path) -> nn.Module:
+    """The causal LM of the config in `folder` (as AutoModelForCausalLM loads it), on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
     with META:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
@@ -162,9 +165,9 @@ def _owner(module: nn.Module, name: str) -> nn.Module:
     return module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
 
 
-def ModelMixinTypes() -> tuple[type, ...]:
+def is_diffusers_model(module: nn.Module) -> bool:
     from diffusers import ModelMixin
-    return (ModelMixin,)
+    return isinstance(module, ModelMixin)
 
 
 def add_lora(module: nn.Module, lora, targets) -> int:
@@ -173,7 +176,7 @@ def add_lora(module: nn.Module, lora, targets) -> int:
     before = sum(p.numel() for p in module.parameters())
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=lora.target_modules or targets)
     with META:  # the adapter on the meta device too (no initialisation runs)
-        if isinstance(module, ModelMixinTypes()):
+        if is_diffusers_model(module):
             module.add_adapter(config)  # diffusers' own, as the generator attaches it
         else:
             from peft import inject_adapter_in_model
@@ -188,23 +191,32 @@ def add_lora(module: nn.Module, lora, targets) -> int:
 
 @dataclass(frozen=True)
 class Activations:
-    """Bytes one sample keeps for the backward pass of one forward: outside the repeated blocks,
-    every block's inputs, every block's saved tensors, and the largest block's alone."""
+    """Bytes of one sample's forward pass with gradients, from a trace of what is live at each
+    operation: what autograd has kept so far (for the backward pass) plus the operation's own
+    inputs and outputs not already kept. `outside` and `blocks` are what the pass keeps outside
+    the repeated blocks and in them; `block_inputs` the blocks' inputs (what activation
+    checkpointing keeps instead); `peak` the largest live total over the pass; `block_peak` the
+    largest over one block's operations of what that block kept so far plus the operation's (one
+    block recomputed under checkpointing). The backward pass goes through the same operations in
+    reverse, each with its gradients in place of its outputs while everything saved before it is
+    still kept, so its peak is taken as the forward's."""
     outside: int
     block_inputs: int
     blocks: int
-    largest_block: int
+    peak: int
+    block_peak: int
 
     def kept(self, batch: int, checkpointing: bool) -> int:
-        """What a forward pass of `batch` samples keeps until its backward pass (with activation
-        checkpointing: the blocks' inputs, and one block recomputed at a time)."""
-        inner = self.block_inputs + self.largest_block if checkpointing else self.blocks
-        return batch * (self.outside + inner)
+        """What a forward pass of `batch` samples keeps until its backward pass."""
+        return batch * (self.outside + (self.block_inputs if checkpointing else self.blocks))
 
-    def backward_peak(self, batch: int, checkpointing: bool) -> int:
-        """The forward's kept tensors plus the backward pass's working set: the gradients flowing
-        through one block are at most what that block saved."""
-        return self.kept(batch, checkpointing) + batch * self.largest_block
+    def update_peak(self, batch: int, checkpointing: bool, no_grad_pass: int = 0) -> int:
+        """The most a forward and backward pass of `batch` samples holds at once; `no_grad_pass`:
+        the working set of a pass without gradients run while the forward's tensors are kept (the
+        reference's, for the KL), per sample."""
+        kept = self.kept(1, checkpointing)
+        inner = kept + self.block_peak if checkpointing else self.peak
+        return batch * max(inner, kept + no_grad_pass)
 
 
 def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -232,70 +244,80 @@ def storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata
 
 
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 @dataclass(frozen=True)
 class Pass:
-    """One forward pass of one sample: what it keeps for the backward pass, and its working set
-    without gradients."""
+    """One forward pass of one sample: with gradients, its activations; without, its working set
+    (the largest operation's inputs and outputs plus the largest block input held beside them)."""
     kept: Activations
     working_set: int
 
 
-class LargestOperation(TorchDispatchMode):
-    """The largest operation's inputs and outputs, weights aside (bytes), over a pass run under it."""
+class Trace(TorchDispatchMode):
+    """Follows a forward pass on the meta device: every tensor autograd saves (each storage once,
+    weights aside) attributed to the repeated block it was saved in, and at each operation what is
+    live (see `Activations`)."""
 
-    def __init__(self, weights: set):
+    def __init__(self, weights: set, n_blocks: int):
         super().__init__()
-        self.weights, self.largest = weights, 0
+        self.weights, self.saved = weights, set()
+        self.outside, self.per_block, self.inputs = 0, [0] * n_blocks, 0
+        self.block, self.peak, self.block_peak, self.largest_op, self.held = None, 0, 0, 0, 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in self.weights and key not in self.saved:
+            self.saved.add(key)
+            if self.block is None:
+                self.outside += nbytes(t)
+            else:
+                self.per_block[self.block] += nbytes(t)
+        return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tensors = {storage_key(t): t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)}
-        self.largest = max(self.largest, sum(t.numel() * t.element_size() for k, t in tensors.items()
-                                             if k not in self.weights))
+        tensors = {k: t for k, t in tensors.items() if k not in self.weights}
+        self.largest_op = max(self.largest_op, sum(map(nbytes, tensors.values())))
+        transient = sum(nbytes(t) for k, t in tensors.items() if k not in self.saved)
+        self.peak = max(self.peak, self.outside + sum(self.per_block) + transient)
+        if self.block is not None:
+            self.block_peak = max(self.block_peak, self.per_block[self.block] + transient)
         return out
+
+    def enter(self, i: int):
+        def hook(module, args, kwargs):
+            self.block = i
+            size = sum(nbytes(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+                       and a.is_floating_point() and storage_key(a) not in self.weights)
+            self.inputs += size
+            self.held = max(self.held, size)
+        return hook
+
+    def leave(self, module, args, output):
+        self.block = None
 
 
 def measure(model: nn.Module, run, grad: bool = True) -> Pass:
-    """`run()`, one forward pass of `model` on meta tensors of one sample: what it keeps for its
-    backward pass per repeated block (with `grad`), and its working set."""
-    from experts.parallel import blocks
-    weights = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    """`run()`, one forward pass of `model` on meta tensors of one sample, traced (with gradients
+    if `grad`, else without)."""
     units = blocks(model)
-    per_block, seen = [0] * len(units), set()
-    inputs, held, outside, current = [0], [0], [0], [None]
-
-    def pack(t):
-        key = storage_key(t)
-        if key not in weights and key not in seen:
-            seen.add(key)
-            size = t.numel() * t.element_size()
-            if current[0] is None:
-                outside[0] += size
-            else:
-                per_block[current[0]] += size
-        return t
-
-    def enter(i):
-        def hook(module, args, kwargs):
-            current[0] = i
-            size = sum(a.numel() * a.element_size() for a in tree_flatten((args, kwargs))[0]
-                       if isinstance(a, torch.Tensor) and a.is_floating_point() and storage_key(a) not in weights)
-            inputs[0] += size
-            held[0] = max(held[0], size)
-        return hook
-
-    def leave(module, args, output):
-        current[0] = None
-    handles = [h for i, u in enumerate(units) for h in (u.register_forward_pre_hook(enter(i), with_kwargs=True),
-                                                          u.register_forward_hook(leave))]
-    saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if grad else torch.no_grad()
+    weights = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    trace = Trace(weights, len(units))
+    handles = [h for i, u in enumerate(units) for h in (u.register_forward_pre_hook(trace.enter(i), with_kwargs=True),
+                                                          u.register_forward_hook(trace.leave))]
+    saving = torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t) if grad else torch.no_grad()
     try:
-        with fused_kernels(), saving, LargestOperation(weights) as ops:
+        with fused_kernels(), saving, trace:
             run()
     finally:
         for h in handles:
             h.remove()
-    return Pass(Activations(outside[0], inputs[0], sum(per_block), max(per_block, default=0)), ops.largest + held[0])
+    kept = Activations(trace.outside, trace.inputs, sum(trace.per_block), trace.peak, trace.block_peak)
+    return Pass(kept, trace.largest_op + trace.held)
 
 
 # --- the generator ----------------------------------------------------------------------------------
@@ -355,7 +377,7 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
     from experts.generator import DiffusersFlowConfig
     m = DiffusersFlowConfig.model_validate_json(model_json)
     folder = config_folder(path, revision)
-    family = pipeline_class(folder)
+    family = index_class(folder)
     if family not in FAMILIES or family not in CONDITIONING:
         raise UnknownModel(f"'{path}' holds a {family}; the generator families supported are {', '.join(FAMILIES)}")
     module = importlib.import_module(FAMILIES[family])
@@ -365,7 +387,6 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
     dtype = dtype_of(m.dtype)
     in_dtype(transformer, dtype)
     size = count(transformer)
-    from experts.parallel import blocks
     largest = max((count(b) for b in blocks(transformer)), default=size)
     lora = add_lora(transformer, m.lora, module.Velocity.LORA_TARGETS) if m.lora else 0
     if not m.lora:
@@ -437,7 +458,8 @@ def _lm(path: str, revision: str | None, model_json: str) -> LMArchitecture:
     body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm
     one = measure(body, lambda: body(input_ids=ids))
     train = one.kept
-    per_token = Activations(*(v // tokens for v in (train.outside, train.block_inputs, train.blocks, train.largest_block)))
+    per_token = Activations(*(v // tokens for v in (train.outside, train.block_inputs, train.blocks, train.peak,
+                                                     train.block_peak)))
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv = 2 * c.num_hidden_layers * getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim
     sample = one.working_set // tokens
