@@ -10,18 +10,23 @@ locally as everywhere else. Counts are of parameters and persistent buffers: wha
 holds (SD3's positional embedding is a buffer of 226 M values).
 
 Activations are measured, not fitted: one forward pass of the real module on the meta device, at
-the real token counts of one sample, with `torch.autograd.graph.saved_tensors_hooks` recording
-every tensor autograd keeps for the backward pass (each storage once, parameters excluded), under
-the same `requires_grad` as training (all parameters for a full fine-tune, only the adapter under
-LoRA, so a frozen linear keeps no input). Attention is taken as the fused kernel a GPU runs (flash
-or memory-efficient attention keep q, k, v, the output and its log-sum-exp, never the score
-matrix; the meta device would otherwise trace the unfused math). Each tensor is attributed to the
-repeated block it was saved in (experts/parallel.py `blocks`, the unit activation checkpointing
-recomputes), so the same pass gives both: without checkpointing every block's saved tensors; with
-it, each block's inputs plus one block's saved tensors recomputed in the backward pass. A no-grad
-pass (sampling, the reference, a VAE decode, a reward model) is measured as its working set: the
-largest single operation's inputs and outputs together, plus the largest block input held beside
-it (the residual stream).
+the real token counts of one sample, traced operation by operation (`Trace`). Every tensor
+autograd keeps for the backward pass is recorded (`torch.autograd.graph.saved_tensors_hooks`, each
+storage once, weights excluded) under the same `requires_grad` as training (all parameters for a
+full fine-tune, only the adapter under LoRA, so a frozen linear keeps no input), and at each
+operation what is live: what has been kept so far plus the operation's own inputs and outputs.
+Attention is taken as the fused kernel a GPU runs (flash or memory-efficient attention keep q, k,
+v, the output and its log-sum-exp, never the score matrix; the meta device would otherwise trace
+the unfused math). Each kept tensor is attributed to the repeated block it was saved in
+(experts/parallel.py `blocks`, the unit activation checkpointing recomputes), so the same pass
+gives the update's peak both without checkpointing (the pass's largest live total) and with it
+(every block's inputs, plus the largest live total within one block as it is recomputed). The
+backward pass is taken to peak where the forward does: it visits the same operations in reverse,
+each with its gradients in place of its outputs while everything saved before it is still kept.
+A pass without gradients (sampling, the reference, a VAE decode, a reward model) is measured as
+its working set: the largest operation's inputs and outputs, plus the largest block input held
+beside them (the residual stream). bench/plans.py measures the estimate against the update's
+peak memory on CPU.
 """
 from __future__ import annotations
 
