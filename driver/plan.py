@@ -384,8 +384,22 @@ def actors_of(config: Config) -> dict[str, ActorPlan]:
             out.append(generator_expert(config, r) if eid == "generator" else refiner_expert(config, eid, r))
     out += [rollout_worker(config, j) for j in range(config.cluster.rollout_workers)]
     out += [reward_actor(config, t, k) for t, (n, _) in config.reward.pools().items() for k in range(n)]
-    out += [ActorPlan("driver", "always", False, {}, {}), ActorPlan("weight_sync", "always", False, {}, {})]
+    out += [driver_actor(config, out), ActorPlan("weight_sync", "always", False, {}, {})]
     return {a.name: a for a in out}
+
+
+def driver_actor(config: Config, actors: list[ActorPlan]) -> ActorPlan:
+    """The driver keeps every trained expert's latest snapshot in the object store on its node
+    (cluster/expert_group.py): its synced weights (the adapter under LoRA) and AdamW moments, in
+    fp32; a sharded expert's moments stay on its ranks' nodes (host memory all the same)."""
+    parts = {}
+    for a in actors:
+        if a.name.startswith("expert/") and "/rank" not in a.name and "trained params (fp32)" in a.bytes:
+            ranks = config.expert(a.name.split("/")[1]).parallel.ranks
+            shard = ranks if config.expert(a.name.split("/")[1]).parallel.strategy == "fsdp" else 1
+            parts[f"snapshot of {a.name} (object store)"] = (a.bytes["trained params (fp32)"]
+                                                              + a.bytes["optimizer (fp32 AdamW moments)"]) * shard
+    return ActorPlan("driver", "always", False, {}, parts)
 
 
 # --- placement ------------------------------------------------------------------------------------
