@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from experts.seeding import derive_seed
+from common.seeding import derive_seed
 
 
 @dataclass(frozen=True)

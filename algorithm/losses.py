@@ -6,6 +6,9 @@ refiner_loss:   GRPO's token-level objective (arXiv 2402.03300, eq. 3) as Prompt
                 ratio taken against the rollout's log-probs so that stale samples are corrected.
                 Convention: averaged over all valid tokens of the batch (TRL's `dapo`/`bnpo` loss
                 types, verl's `token-mean`), not the mean of per-sequence means of GRPO's eq. 3.
+                Its gradient is accumulated `micro_batch` sequences at a time, each part's
+                token sum divided by the whole batch's token count (`refiner_backward`), so the
+                update's memory is one part's.
 generator_loss: Flow-GRPO's objective (arXiv 2505.05470, eq. 8): PPO-clipped ratio of each SDE
                 step's Gaussian log-prob, averaged over trained steps and samples, plus beta * KL.
                 Its gradient is accumulated one micro-batch of transitions at a time (by default one
@@ -56,6 +59,36 @@ def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: fl
     return loss, {"kl": float((kl.detach() * mask).sum() / n), "ratio_mean": float((ratio.detach() * mask).sum() / n)}
 
 
+def sequences(batch: dict, rows: torch.Tensor) -> dict:
+    """The refiner token batch's sequences `rows` (prompts, tokens, rollout log-probs, mask)."""
+    return {"prompts": [batch["prompts"][i] for i in rows.tolist()],
+            **{k: batch[k][rows.to(batch[k].device)] for k in ("tokens", "logps", "mask")}}
+
+
+def refiner_backward(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: float, kl_beta: float,
+                     micro_batch: int | None = None, rows: torch.Tensor | None = None,
+                     before_last: Callable[[], None] | None = None):
+    """Backpropagate `refiner_loss` of the batch `micro_batch` sequences at a time (None: all at
+    once), each part divided by the whole batch's valid tokens, so that the parts add up to the
+    whole batch's loss and gradient (to float rounding); returns (loss, stats). `rows`: only these
+    sequences' part, still divided by the whole batch's count (one rank's share). `before_last`
+    runs before the last part's backward pass (a sharded model that held back its gradient
+    reduction until then turns it on)."""
+    rows = torch.arange(len(batch["prompts"])) if rows is None else rows
+    parts = rows.split(micro_batch or max(len(rows), 1))
+    tokens = float(batch["mask"].sum())
+    loss, stats = 0.0, {"kl": 0.0, "ratio_mean": 0.0}
+    for i, part in enumerate(parts):
+        part_loss, part_stats = refiner_loss(policy, reference, sequences(batch, part), adv[part.to(adv.device)],
+                                             clip_eps, kl_beta, tokens=tokens)
+        if before_last is not None and i == len(parts) - 1:
+            before_last()
+        part_loss.backward()
+        loss += float(part_loss.detach())
+        stats = {k: v + part_stats[k] for k, v in stats.items()}
+    return loss, stats
+
+
 def clipped_surrogate(ratio, adv, clip_eps: float):
     """Elementwise max(-A r, -A clip(r, 1 - eps, 1 + eps)): PPO's pessimistic bound (arXiv 1707.06347, eq. 7)."""
     return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps))
@@ -80,6 +113,17 @@ def trained_steps(sde: torch.Tensor, train_final_step: bool) -> torch.Tensor:
     return steps if train_final_step else steps[steps != len(sde) - 1]
 
 
+def kept_states(steps: torch.Tensor) -> torch.Tensor:
+    """The states the loss reads when it trains `steps`: x_t and x_{t+1} of each, as sorted step
+    indices (a rollout keeps only these)."""
+    return torch.unique(torch.cat([steps, steps + 1]))
+
+
+def state_at(batch: dict, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """x_t of samples `rows` at steps `steps`, among the states kept at `batch["state_steps"]`."""
+    return batch["states"][rows, torch.searchsorted(batch["state_steps"], steps)]
+
+
 def transition_chunks(samples: torch.Tensor, steps: torch.Tensor, micro_batch: int | None) -> list[tuple]:
     """Every (sample, step) transition of `samples` to train, ordered by step then sample, in chunks
     of `micro_batch` (None: one step of every sample per chunk): [(sample indices, step indices)]."""
@@ -97,13 +141,15 @@ def step_kl(mean, ref_mean, std, delta, kl_form: str) -> torch.Tensor:
 
 def transition_losses(policy, reference, batch: dict, adv: torch.Tensor, rows, cols, obj: GeneratorObjective):
     """PPO-clip + beta KL of each transition (rows[i], cols[i]), re-evaluated with the policy;
-    (losses, KLs, ratios), one per transition. `batch` holds the states (B, T+1, ...), log-probs
-    (B, T), the sigmas (T+1,) and the per-sample conditioning `cond` the model reads."""
-    states, sigmas = batch["states"], batch["sigmas"]
-    x, x_next = states[rows, cols], states[rows, cols + 1]
+    (losses, KLs, ratios), one per transition. `batch` holds the states x_t (B, S, ...) at the steps
+    `state_steps` (S,) (those of the trained transitions, `kept_states`), log-probs (B, T), the
+    sigmas (T+1,), the per-sample conditioning `cond` and the conditioning every sample shares,
+    `shared_cond` (the empty prompt's under guidance, one row the model broadcasts)."""
+    sigmas = batch["sigmas"]
+    x, x_next = state_at(batch, rows, cols), state_at(batch, rows, cols + 1)
     shape = (-1, *[1] * (x.dim() - 1))
     s, s_next = sigmas[cols].view(shape), sigmas[cols + 1].view(shape)
-    cond = {name: v[rows] for name, v in batch["cond"].items()}
+    cond = {**{name: v[rows] for name, v in batch["cond"].items()}, **batch["shared_cond"]}
     sigma_max = float(sigmas[1])
     mean, std = sde_mean_std(x, policy(x, s.flatten(), **cond), s, s_next, obj.noise_level, sigma_max)
     ratio = torch.exp(gaussian_logp(x_next, mean, std) - batch["logps"][rows, cols])

@@ -112,7 +112,7 @@ def tiny_klein(root: Path) -> Path:
 
     from diffusers import Flux2Transformer2DModel
 
-    from experts.hub import local_model
+    from common.hub import local_model
     from experts.tiny.flux2 import TEXT_WIDTH
     out = root / "klein-2x2x128"
     if not out.is_dir():

@@ -28,7 +28,7 @@ from pydantic import Field
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experts.spec import Strict  # noqa: E402
+from common.config import Strict  # noqa: E402
 
 B = 16
 IMAGE_TERMS = ("geneval", "pickscore", "clip_score", "aesthetic", "ocr", "vqa_score")

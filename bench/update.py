@@ -48,13 +48,14 @@ def setup(path: Path, beta: float, device: torch.device):
     from driver.config import load_config
     from experts.frontend import build_frontend
     from experts.kinds import build_model
+    from experts.trajectories import split_shared
     from experts.weights import reference_of
     from tasks.base import TextPrompt
     config = load_config("shapes-tiny", [
         f"experts.generator.model={{kind: diffusers_flow, path: {path}, guidance_scale: {GUIDANCE}, "
         f"max_sequence_length: 16, lora: {{r: 32, alpha: 32}}}}", "task.image_size=128",
         f"experts.generator.sample_steps={STEPS}", f"experts.generator.kl_beta={beta}"])
-    policy = build_model(config, "generator").to(device)
+    policy = build_model(config, "generator", device=device)
     frontend = build_frontend(config, device)
     cond = frontend.condition([TextPrompt(PROMPTS[i % 2]) for i in range(BATCH)], [{}] * BATCH)
     cond = {k: v.to(device) for k, v in cond.items()}
@@ -66,7 +67,9 @@ def setup(path: Path, beta: float, device: torch.device):
                 p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(device))
         states, logps = sample(lambda x, s: policy(x, s, **cond), noise.to(device), sigmas, NOISE_LEVEL,
                                torch.ones(STEPS, dtype=torch.bool))
-    batch = {"states": states, "logps": logps, "sigmas": sigmas, "cond": cond}
+    per_sample, shared = split_shared(cond)
+    batch = {"states": states, "state_steps": torch.arange(STEPS + 1, device=device), "logps": logps,
+             "sigmas": sigmas, "cond": per_sample, "shared_cond": shared}
     return policy, reference_of(policy), batch, config
 
 
@@ -74,7 +77,7 @@ def flow_grpo_loop(policy, reference, batch, adv, trained: int, beta: float) -> 
     """Flow-GRPO's training loop from its equations: per timestep, re-evaluate the SDE step's mean
     and log-prob (eq. 9-12), PPO-clip the ratio (eq. 8), add beta * ||mu - mu_ref||^2 / (2 std_t^2),
     and backpropagate that timestep's loss divided by the number of timesteps."""
-    states, sigmas, cond = batch["states"], batch["sigmas"], batch["cond"]
+    states, sigmas, cond = batch["states"], batch["sigmas"], {**batch["cond"], **batch["shared_cond"]}
     for j in range(trained):
         x, x_next = states[:, j], states[:, j + 1]
         sigma, sigma_next = sigmas[j], sigmas[j + 1]

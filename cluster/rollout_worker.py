@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from cluster.collective import BroadcastMember, layout
+from cluster.collective import BroadcastMember
 from cluster.recovery import NotSynced, this_node
 from cluster.reward_pool import PooledTerm, pool_names
 from cluster.runtime import Members
 from experts.devices import actor_device
 from experts.pipeline import RolloutPipeline
-from experts.weights import fingerprint, model_tensors, synced_state, travel_form
+from experts.weights import fingerprint, model_tensors, travel_layout
 from tasks.evaluation import evaluate_sets
 
 
@@ -46,7 +46,7 @@ class RolloutWorker(RolloutPipeline, BroadcastMember):
 
     def receive_weights(self, expert_id: str, version: int, checksum: int) -> int:
         """Serve `version` of `expert_id`, received from the expert's broadcast (`cluster.sync=collective`)."""
-        plan = layout(travel_form(synced_state(self.models[expert_id])))
+        plan = travel_layout(self.models[expert_id])  # the expert's dtypes (fp32 where it trains a bf16 model)
         return self.serve(expert_id, version, self.broadcast_group.receive(expert_id, plan), checksum, share=True)
 
     def serve(self, expert_id: str, version: int, weights: dict, checksum: int | None, share: bool) -> int:

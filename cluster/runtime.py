@@ -3,12 +3,18 @@
 In-process handles mimic the part of Ray's actor API the project uses (`h.method.remote(...)`,
 `.options(num_returns=k)`, ObjectRef arguments resolved at the top level) so that `inline` is the
 correctness oracle for `ray` and a debugger can step through a whole training step.
+
+Every Ray actor is given this process's Hugging Face client settings (HF_TOKEN, HF_HOME, … :
+common/hub.py `hub_env`) in its runtime_env, so an actor on a node started by `ray start` reads the
+hub with the client's token into the client's cache; the actors it spawns pass them on.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import ray
+
+from common.hub import hub_env
 
 
 class InlineRef:
@@ -85,6 +91,8 @@ class Runtime:
             handle = self.members.inline[name] = InlineHandle(cls(*args))
             return handle
         options = {"num_cpus": 0, **options}
+        if env := hub_env():
+            options["runtime_env"] = {"env_vars": env}
         return ray.remote(cls).options(name=f"{self.run_name}/{name}", namespace="jointrl",
                                        **options).remote(*args)
 

@@ -45,6 +45,23 @@ def parse_args(argv):
     c.add_argument("action", choices=("show", "keys"),
                    help="show: the config of --config and --set, each key with its description and default; "
                         "keys: every dotted key with its type and description")
+    d = sub.add_parser("download", help="fetch every hub model the config names into the Hugging Face cache "
+                                        "(HF_HOME / HF_HUB_CACHE), so that the run reads it from there")
+    d.add_argument("--list", action="store_true", help="print the models and an `hf download` line for each; "
+                                                       "fetch nothing")
+    sc = sub.add_parser("score", help="score a folder of images (one per prompt) with one reward term: per-image "
+                                      "scores and their mean, to check a reward before training with it")
+    sc.add_argument("--term", required=True, metavar="NAME",
+                    help="a reward term of the config, or a built-in (ocr, geneval, clip_score, …) with its default "
+                         "options where the config has none of that name; change its options with "
+                         "--set reward.terms.NAME.KEY=VALUE")
+    sc.add_argument("--prompts", required=True, metavar="FILE",
+                    help="the prompts, one per image (.txt a line each; .jsonl with metadata, e.g. GenEval's)")
+    sc.add_argument("--images", required=True, metavar="DIR",
+                    help="PNG/JPEG images, paired with the prompts in name order (numbers by value: 2.png before "
+                         "10.png)")
+    sc.add_argument("--json", action="store_true", help='print {"term", "mean", "scores", "files"[, "strict"]} '
+                                                        "as JSON instead of the table")
     pl = sub.add_parser("plan", help="the memory plan of a config: per actor and per GPU, from its models' real "
                                      "architectures (nothing is downloaded); exit 2 if it cannot fit")
     pl.add_argument("--gpus", type=int, default=None, help="GPUs per node of the target (default: the connected Ray "
@@ -57,7 +74,7 @@ def parse_args(argv):
                                                          "declaring the target's GPUs when no cluster is named), start "
                                                          "one placeholder per actor, report the GPU ids Ray gives each "
                                                          "beside the plan's, then release everything")
-    for sp in (t, pre, e, s, r, c, pl):
+    for sp in (t, pre, e, s, r, c, sc, d, pl):
         sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes; on a run, "
                                                        "its keys are applied on top of the run's saved config)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -323,6 +340,22 @@ def failure(cause: BaseException) -> str:
     return f"{type(cause).__name__}: {cause}"
 
 
+def run_download(args) -> int:
+    """`jointrl download`: the config's hub models into this machine's Hugging Face cache (each
+    node's, unless HF_HOME is on storage the nodes share); 1 if any could not be fetched."""
+    from driver.config import resolve_config
+    from driver.download import download, hub_models
+    config = resolve_config(args.config, args.overrides)  # the schema only: the run's files need not be here
+    if args.list:
+        for model in hub_models(config):
+            print(f"{model}\n  {model.hf_command()}")
+        return 0
+    failed = download(config, on_model=lambda line: print(f"jointrl: fetched {line}", flush=True))
+    for line in failed:
+        print(f"jointrl: cannot fetch {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def run_plan(args) -> int:
     """`jointrl plan`: the plan, as a report or JSON; with --place, the placement Ray gives it."""
     from driver.config import resolve_config
@@ -360,14 +393,19 @@ def run_config_docs(args) -> int:
     return 0
 
 
+def run_score(args) -> int:
+    from driver.score import run_score as score
+    return score(args)
+
+
 def main(argv=None) -> int:
     """Every command; a user's error (ConfigError) is one paragraph on stderr and exit status 2, a
     second Ctrl-C stops at once with 130."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
-                "report": run_report, "config": run_config_docs,
-                "plan": run_plan}[args.command](args)
+                "report": run_report, "config": run_config_docs, "score": run_score,
+                "download": run_download, "plan": run_plan}[args.command](args)
     except ConfigError as e:
         return config_error(e)
     except KeyboardInterrupt:

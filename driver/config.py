@@ -16,9 +16,10 @@ import yaml
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, \
     model_validator
 
+from common.config import Resources, Strict
 from experts.generator import GeneratorConfig
 from experts.refiner import RefinerConfig
-from experts.spec import Resources, Strict, TextEncoderConfig
+from experts.spec import TextEncoderConfig
 from tasks.rewards.term import TermConfig
 from tasks.shapes import MAX_PROMPT_WORDS
 

@@ -64,10 +64,12 @@ def reward_metrics(terms: dict[str, np.ndarray], total: np.ndarray, valid: np.nd
 
 
 def update_metrics(stats: dict[str, dict]) -> dict:
-    """loss/<id> and kl/<id> of every expert updated this step, ppo/ratio_mean of the generator's."""
+    """loss/<id>, kl/<id> and ppo/ratio_mean/<id> of every expert updated this step (the mean ratio
+    of its new to its rollout log-probs: 1 on-policy, the first check of a new setup), and
+    ppo/ratio_mean, the generator's."""
     row = {}
     for e, s in stats.items():
-        row[f"loss/{e}"], row[f"kl/{e}"] = s["loss"], s["kl"]
+        row[f"loss/{e}"], row[f"kl/{e}"], row[f"ppo/ratio_mean/{e}"] = s["loss"], s["kl"], s["ratio_mean"]
     if "generator" in stats:
         row["ppo/ratio_mean"] = stats["generator"]["ratio_mean"]
     return row

@@ -10,20 +10,21 @@ would make it fit. `plan_for(config, target)` is the API (`Plan`: per actor `gpu
 `bytes`; per GPU its actors and bytes).
 
 Conventions counted (those the experts implement, stated once here):
-- Training: trained parameters kept in fp32 (fp32 parameters under bf16 autocast, which holds a
-  bf16 copy of each weight while a pass runs), fp32 gradients, AdamW's two fp32 moments; a LoRA
-  adapter in fp32 with its gradients and moments; frozen parts (the reference copy of a full
-  fine-tune, the base under LoRA) in the model's dtype. Under fsdp parameters, gradients, moments
-  and the reference are sharded over the ranks; the blocks being gathered (two at a time:
-  one computing, one prefetched) come on top, or the whole model with `defer_gradient_sync`.
+- Training (experts/precision.py): trained parameters kept in fp32 with fp32 gradients and AdamW's
+  two fp32 moments; a full fine-tune of a bf16 model computes through bf16 copies of them made once
+  per update; a LoRA adapter is fp32 and computes as it is; frozen parts (the reference copy of a
+  full fine-tune, the base under LoRA) stay in the model's dtype. Under fsdp parameters,
+  gradients, moments and the reference are sharded over the ranks and gathered a block at a time
+  in the model's dtype (two blocks: one computing, one prefetched), or the whole model with
+  `defer_gradient_sync`.
 - The generator's update: `experts.generator.micro_batch` transitions per backward pass (None:
   one step of every sample of the rank's share), doubled through the transformer by classifier-
   free guidance when `train_cfg` and guidance_scale > 1; its activations are the most its forward
   and backward pass hold at once (experts/memory.py `Activations.update_peak`), with the
-  reference's no-grad pass (kl_beta > 0) run while the forward's tensors are kept. Each rank receives the step's trajectories: the trained
-  steps' states (x_t and x_{t+1} of each SDE step of `sde_window`, less the last without
-  `train_final_step`) in fp32, the log-probs, and the conditioning in the model's dtype with the
-  empty prompt's once.
+  reference's no-grad pass (kl_beta > 0) run while the forward's tensors are kept. Each rank
+  receives the step's trajectories (experts/trajectories.py): the states x_t and x_{t+1} of every
+  trained step (the SDE window's, less the last without `train_final_step`) in fp32, the
+  log-probs, and the conditioning in the model's dtype with the empty prompt's once.
 - The refiner's update: `experts.refiner_<i>.micro_batch` sequences per backward pass (None: the
   rank's share), logits (fp32) only at the generated tokens; sequences are PROMPT_TOKENS of chat
   context plus `max_new_tokens`.
@@ -166,9 +167,15 @@ def refined_samples(config: Config) -> int:
     return config.trainer.prompts_per_step * (config.algorithm.group_size - config.algorithm.num_skip_refinement)
 
 
-def trained_steps(spec: GeneratorConfig) -> int:
+def trained_steps(spec: GeneratorConfig) -> list[int]:
+    """The sampling steps the update trains on: the SDE window's, less the last without `train_final_step`."""
     start, end = spec.sde_window or (0, spec.sample_steps)
-    return end - start - (0 if spec.train_final_step or end < spec.sample_steps else 1)
+    return [t for t in range(start, end) if spec.train_final_step or t != spec.sample_steps - 1]
+
+
+def trajectory_states(spec: GeneratorConfig) -> int:
+    """States a trajectory keeps: x_t and x_{t+1} of every trained step (experts/trajectories.py)."""
+    return len({s for t in trained_steps(spec) for s in (t, t + 1)})
 
 
 def guided(spec: GeneratorConfig) -> int:
@@ -176,12 +183,16 @@ def guided(spec: GeneratorConfig) -> int:
     return 2 if getattr(spec.model, "guidance_scale", 1.0) > 1.0 else 1
 
 
-def training_state(trained: int, frozen: int, dtype_bytes: int, ranks: int, fsdp: bool) -> dict[str, int]:
-    """Parameters, gradients, moments and frozen copies of one rank (see the module docstring)."""
+def training_state(trained: int, frozen: int, dtype_bytes: int, ranks: int, fsdp: bool,
+                   low_precision_trained: bool) -> dict[str, int]:
+    """Parameters, gradients, moments and frozen copies of one rank (see the module docstring);
+    `low_precision_trained`: the trained parameters are of the model's 16-bit dtype (a full
+    fine-tune; an adapter is built in fp32), so the update computes through 16-bit copies of them."""
     shard = ranks if fsdp else 1
+    copies = {"16-bit compute copies": dtype_bytes * trained} if low_precision_trained and not fsdp else {}
     return {"trained params (fp32)": 4 * trained // shard, "grads (fp32)": 4 * trained // shard,
             "optimizer (fp32 AdamW moments)": 8 * trained // shard, "frozen weights": dtype_bytes * frozen // shard,
-            **({"autocast copies": 2 * trained // shard} if dtype_bytes == 2 else {})}
+            **copies}
 
 
 def generator_expert(config: Config, rank: int) -> ActorPlan:
@@ -196,7 +207,8 @@ def generator_expert(config: Config, rank: int) -> ActorPlan:
     arch = generator_architecture(m, config.task.image_size)
     width = DTYPE_BYTES[m.dtype]
     trained, frozen = (arch.lora, arch.transformer) if m.lora else (arch.transformer, arch.transformer)
-    parts = training_state(trained, frozen, width, ranks, fsdp) if spec.train else {"frozen weights": width * arch.transformer}
+    parts = training_state(trained, frozen, width, ranks, fsdp, width == 2 and not m.lora) if spec.train \
+        else {"frozen weights": width * arch.transformer}
     if fsdp:
         gathered = arch.transformer * width if par.defer_gradient_sync else 2 * arch.largest_block * width
         parts["fsdp gathered blocks"] = gathered + (arch.transformer * 4 if par.defer_gradient_sync and not m.lora else 0)
@@ -204,9 +216,8 @@ def generator_expert(config: Config, rank: int) -> ActorPlan:
     ac = par.activation_checkpointing
     reference = arch.sample_working_set if spec.kl_beta > 0 else 0  # its no-grad pass beside the kept tensors
     parts["activations (one micro-batch)"] = arch.train.update_peak(batch, ac, reference) if spec.train else 0
-    trained_steps_n = trained_steps(spec)
-    parts["trajectories (one step)"] = samples * (2 * trained_steps_n * arch.latent_numel * 4 + spec.sample_steps * 4
-                                                  + arch.text_features) + arch.text_features
+    parts["trajectories (one step)"] = samples * (trajectory_states(spec) * arch.latent_numel * 4
+                                                  + spec.sample_steps * 4 + arch.text_features) + arch.text_features
     advice = generator_advice(config, arch, batch, ac)
     notes = [f"a pass through the transformer: {arch.image_tokens} image tokens (latent "
              f"{'x'.join(map(str, arch.latent_shape))}) + {arch.text_tokens} text tokens; {batch} passes per backward "
@@ -242,9 +253,9 @@ def tiny_generator_expert(config: Config, name: str, share: int) -> ActorPlan:
     tokens = (side // m.patch) ** 2 + config.text_len()
     batch = spec.micro_batch or share
     latent = 3 * side * side
-    parts = {**training_state(params, params, 4, 1, False),
+    parts = {**training_state(params, params, 4, 1, False, False),
              "activations (one micro-batch)": batch * tokens * m.d_model * m.n_layers * TINY_ACTIVATION,
-             "trajectories (one step)": step_samples(config) * (2 * trained_steps(spec) * latent * 4
+             "trajectories (one step)": step_samples(config) * (trajectory_states(spec) * latent * 4
                                                                 + config.text_len() * config.experts.text_encoder.d_model * 4)}
     return ActorPlan(name, "update", wants_gpu(spec.resources), {"transformer": params}, parts)
 
@@ -260,13 +271,14 @@ def refiner_expert(config: Config, eid: str, rank: int) -> ActorPlan:
     if m.kind == "tiny_lm":
         from experts.kinds import build_model
         params = sum(p.numel() for p in build_model(config, eid, fresh=True).parameters())
-        parts = {**training_state(params, params, 4, 1, False),
+        parts = {**training_state(params, params, 4, 1, False, False),
                  "activations (one micro-batch)": batch * seq * m.d_model * m.n_layers * TINY_ACTIVATION}
         return ActorPlan(name, "update", wants_gpu(spec.resources), {"lm": params}, parts)
     arch = lm_architecture(m)
     width = DTYPE_BYTES[m.dtype]
     trained, frozen = (arch.lora, arch.params) if m.lora else (arch.params, arch.params)
-    parts = training_state(trained, frozen, width, ranks, fsdp) if spec.train else {"frozen weights": width * arch.params}
+    parts = training_state(trained, frozen, width, ranks, fsdp, width == 2 and not m.lora) if spec.train \
+        else {"frozen weights": width * arch.params}
     ac = par.activation_checkpointing
     # fp32 logits at the generated tokens: the policy's, their log-softmax and its gradient; the reference's
     logits = batch * spec.max_new_tokens * arch.vocab * 4 * (3 + (spec.kl_beta > 0))

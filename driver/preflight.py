@@ -1,6 +1,6 @@
 """Checks of the outside world a valid config names, run before anything starts.
 
-The schema (driver/config.py, experts/spec.py …) only judges values; whether the files, models,
+The schema (driver/config.py, common/config.py, experts/spec.py …) only judges values; whether the files, models,
 packages and reward function they name exist is asked here, once, so that `jointrl config show`
 works anywhere and a run still fails in one paragraph naming the key instead of minutes later.
 """
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
+from common.hub import BUILDERS, TINY, is_tiny
 from driver.checkpoint import sha256
 from driver.config import ConfigError, invalid
 from driver.overrides import flat
 from experts.families import FAMILIES
-from experts.hub import BUILDERS, TINY, is_tiny
 
 if TYPE_CHECKING:
     from driver.config import Config
@@ -27,8 +27,11 @@ if TYPE_CHECKING:
 KIND_PACKAGES = {"hf_causal_lm": ("transformers", "peft"), "diffusers_flow": ("diffusers", "transformers", "peft")}
 # a logging flag -> the package it needs
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-# a reward term's options that name a model (a folder, hub id or tiny:<kind>)
+# a reward term's options that name a model (a folder, hub id or tiny:<kind>), and those that name a file
 MODEL_OPTIONS = ("model", "processor", "clip_model", "tokenizer")
+FILE_OPTIONS = ("head", "det_model", "rec_model")
+# a package a reward term imports -> the extra that installs it (`hf` for the others)
+REWARD_EXTRAS = {"rapidocr_onnxruntime": "ocr"}
 
 
 def weights_file(path: str) -> None:
@@ -143,8 +146,10 @@ def term_problems(key: str, term) -> list[str]:
     if options is None:
         return []
     from tasks.rewards import resolve
-    if gone := missing(*getattr(resolve(term.fn), "packages", ())):
-        return [f"{key}.fn: {term.fn} needs {gone}: pip install 'jointrl[hf]'"]
+    found = resolve(term.fn)
+    if gone := missing(*(found.imports(options) if hasattr(found, "imports") else getattr(found, "packages", ()))):
+        extras = sorted({REWARD_EXTRAS.get(g, "hf") for g in gone})
+        return [f"{key}.fn: {term.fn} needs {gone}: pip install 'jointrl[{','.join(extras)}]'"]
     problems = []
     for field in MODEL_OPTIONS:
         if isinstance(value := getattr(options, field, None), str):
@@ -152,6 +157,9 @@ def term_problems(key: str, term) -> list[str]:
                 model_path(value)
             except ValueError as e:
                 problems.append(f"{key}.{field}: {e}")
+    for field in FILE_OPTIONS:
+        if isinstance(value := getattr(options, field, None), str) and not Path(value).is_file():
+            problems.append(f"{key}.{field}: no file at '{value}'")
     return problems
 
 

@@ -17,12 +17,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from common.seeding import derive_seed
 from driver.bases import base_dir, base_shaping, digest, refiner_dir, refiner_shaping
 from driver.checkpoint import atomic_dir, sha256
 from experts import state_file
 from experts.frontend import build_text_encoder
 from experts.kinds import build_model
-from experts.seeding import derive_seed
 from tasks.shapes import (BOS, CATEGORIES, EOS, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, WORD_TO_ID, Prompt,
                           make_prompt, paraphrase, render)
 

@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
+from common.seeding import derive_seed
 from experts import state_file
-from experts.seeding import derive_seed
 from experts.weights import load, model_tensors
 
 
@@ -37,25 +37,20 @@ class ExpertKind:
     def __init__(self, config, expert_id: str, spec):
         self.config, self.expert_id, self.spec = config, expert_id, spec
 
-    def fresh_model(self) -> torch.nn.Module:
+    def fresh_model(self, device: torch.device) -> torch.nn.Module:
+        """The model before `init`: a pretrained one loaded onto `device`, a tiny one built on the host
+        (its caller moves it)."""
         raise NotImplementedError
 
-    def build_model(self, fresh: bool = False) -> torch.nn.Module:
-        """The model at version 0: seeded, then from `init` unless `fresh`."""
-        return seeded_model(self.config, self.expert_id, self.fresh_model, None if fresh else self.spec.init)
-
-    def loss(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None):
-        """(the loss, its stats); `rows`: only these samples' part of the whole batch's loss."""
-        raise NotImplementedError
+    def build_model(self, fresh: bool = False, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
+        """The model at version 0: seeded, then from `init` unless `fresh`; a pretrained one on `device`."""
+        return seeded_model(self.config, self.expert_id, lambda: self.fresh_model(device),
+                            None if fresh else self.spec.init)
 
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None) -> tuple[float, dict]:
         """Accumulate the loss's gradient into the trainable parameters; (its value, its stats).
         `rows`: only these samples' part of it, divided by the whole batch's count (one rank's
-        share: experts/parallel.py). A kind whose update would not fit in memory at once overrides
-        this to go in parts, calling `before_last` before the last part's backward pass."""
-        loss, stats = self.loss(model, reference, batch, adv, rows)
-        if before_last is not None:
-            before_last()
-        loss.backward()
-        return float(loss.detach()), stats
+        share: experts/parallel.py). A kind goes in parts (micro-batches) so that an update fits
+        in memory, calling `before_last` before the last part's backward pass."""
+        raise NotImplementedError

@@ -6,19 +6,21 @@ restarted instance is restored first instead of silently starting over. What the
 (model, batch merging, loss) is the expert's kind's (experts/kinds.py). An expert of several ranks
 (`parallel.ranks` > 1) is one such object per process, joined into one process group
 (`join_gang`): each computes its share of the update and only the leader (rank 0) hands out
-weights and snapshots, whole (experts/parallel.py).
+weights and snapshots, whole (experts/parallel.py). A model built in a low-precision dtype keeps
+what it trains in fp32 and computes in its own dtype (experts/precision.py).
 """
 from __future__ import annotations
 
 import copy
 import math
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from experts import parallel, state_file
+from experts import parallel, precision, state_file
 from experts.kinds import expert_kind
 from experts.parallel import Gang, GangSpec
 from experts.records import ExpertInfo, OptimizerShard, ShardFiles, Snapshot
@@ -47,16 +49,24 @@ class Expert:
         self.kind = expert_kind(config, expert_id)
         self.spec = self.kind.spec
         self.gang: Gang | None = None
-        self.build(self.kind.build_model().to(device))
+        self.build(*self.fresh(device))
         self.version = 0
         self.last_step, self.last_stats = -1, {}
 
-    def build(self, model: torch.nn.Module, reference=None) -> None:
-        """Take `model` as this expert's, with its frozen reference (`reference_of` it unless
-        given) and a fresh optimizer."""
+    def fresh(self, device: torch.device) -> tuple[torch.nn.Module, Any]:
+        """The model at version 0 on `device` and its frozen reference, which stays in the model's
+        dtype; then its trained parameters kept in fp32, noting in `self.computed` the dtype each
+        is computed in (experts/precision.py)."""
+        model = self.kind.build_model(device=device).to(device)  # a pretrained model loads onto `device`
+        reference = reference_of(model)
+        self.computed = precision.keep_trained_in_fp32(model)
+        return model, reference
+
+    def build(self, model: torch.nn.Module, reference) -> None:
+        """Take `model` as this expert's, with its frozen reference and a fresh optimizer."""
         if self.spec.parallel.activation_checkpointing:
             parallel.checkpoint_activations(model)
-        self.model, self.reference = model, reference if reference is not None else reference_of(model)
+        self.model, self.reference = model, reference
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # all, or a LoRA adapter's
         self.optimizer = torch.optim.AdamW(self.trainable, lr=self.spec.lr)
 
@@ -67,11 +77,11 @@ class Expert:
         strategy = self.spec.parallel.strategy
         parallel.join(spec, rank)
         if strategy == "fsdp":
-            model = self.kind.build_model() if self.gang else self.model.cpu()
-            reference = reference_of(model)
+            model, reference = self.fresh(torch.device("cpu")) if self.gang else (self.model.cpu(), self.reference)
             if not is_lora(model):  # the frozen copy is sharded too
                 parallel.shard(reference, self.device)
-            self.build(parallel.shard(model, self.device, self.spec.parallel.reshard_after_forward), reference)
+            self.build(parallel.shard(model, self.device, self.spec.parallel.reshard_after_forward,
+                                      precision.fsdp_policy(self.computed)), reference)
         self.gang = Gang(rank, spec.ranks, strategy, spec.generation)
         return spec.generation
 
@@ -87,7 +97,8 @@ class Expert:
     def weights(self) -> dict[str, np.ndarray] | None:
         """This version's weights as numpy arrays (experts/weights.py), whole; None on a rank
         other than the leader (which still takes part in gathering them)."""
-        state = parallel.gathered(self.model, synced_state(self.model)) if self.sharded else synced_state(self.model)
+        state = parallel.gathered(self.model, synced_state(self.model), by_unit=not self.computed) if self.sharded \
+            else synced_state(self.model)
         return arrays_of(state, self.private) if self.gang is None or self.gang.leader else None
 
     def info(self) -> ExpertInfo:
@@ -170,7 +181,8 @@ class Expert:
                                                   self.spec.parallel.reshard_after_forward) as before_last:
                 loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows, before_last)
         else:
-            loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows)
+            with precision.computed_in(self.model, {} if self.sharded else self.computed):
+                loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows)
         if self.gang:
             loss, stats = parallel.sum_stats(loss, stats)
             if self.gang.strategy == "ddp":

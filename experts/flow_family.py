@@ -1,44 +1,27 @@
-"""What every diffusers flow family shares: loading a pipeline's components, the trained transformer
-with its LoRA adapter and guidance (`FamilyVelocity`), and the frozen front end with its text cache
-(`FamilyFrontEnd`). A family module (experts/sd3.py, flux1.py, flux2.py, qwen_image.py) subclasses
-both and fills in what only it knows: how its transformer reads a latent and a condition, how its
-prompts are encoded, its sigmas and its way back to pixels (experts/families.py).
+"""What every diffusers flow family shares: the trained transformer with its LoRA adapter and guidance
+(`FamilyVelocity`), and the frozen front end with its text cache (`FamilyFrontEnd`), both loaded by
+common/loading.py. A family module (experts/sd3.py, flux1.py, flux2.py, qwen_image.py) subclasses both
+and fills in what only it knows: how its transformer reads a latent and a condition, how its prompts
+are encoded, its sigmas and its way back to pixels (experts/families.py).
 
-Conditioning convention: `cond` is a dict of per-sample tensors; its `negative_<name>` entries are
-the empty prompt's, present only when classifier-free guidance is on. Dropping them (the update's
-`train_cfg=false`) gives the conditional velocity alone.
+Conditioning convention: `cond` is a dict of per-sample tensors, in the text encoders' dtype; its
+`negative_<name>` entries are the empty prompt's, one row that the velocity broadcasts to the batch,
+present only when classifier-free guidance is on. Dropping them (the update's `train_cfg=false`)
+gives the conditional velocity alone.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import numpy as np
 import torch
 from torch import nn
 
-from experts.hf_refiner import DTYPES
-from experts.hub import local_model
-from experts.text_encoder import CacheStats
+from common.hub import local_model
+from common.loading import DTYPES, component, load_index
+from experts.text_encoder import CacheStats, FeatureCache
 
 NEGATIVE = "negative_"
-
-
-def load_index(path: str) -> dict:
-    """The pipeline's `model_index.json`."""
-    from diffusers import DiffusionPipeline
-    return DiffusionPipeline.load_config(path)
-
-
-def component(path: str, index: dict, name: str, dtype: torch.dtype | None = None):
-    """The pipeline component `name` (None where the model has none, e.g. SD3 without T5)."""
-    library, cls = index.get(name) or (None, None)
-    if cls is None:
-        return None
-    kwargs = {"subfolder": name}
-    if dtype is not None and name.startswith(("text_encoder", "transformer", "vae")):
-        kwargs["dtype" if library == "transformers" else "torch_dtype"] = dtype
-    return getattr(importlib.import_module(library), cls).from_pretrained(path, **kwargs)
 
 
 def split_negative(cond: dict) -> tuple[dict, dict]:
@@ -54,18 +37,21 @@ class FamilyVelocity(nn.Module):
     `velocity(x, sigma, cond)` (one branch) and may override `guide` and `LORA_TARGETS`."""
     LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the joint attention's projections
 
-    def __init__(self, spec, seed: int):
+    def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu")):
         super().__init__()
         m = spec.model
         self.spec = m
-        self.path = local_model(m.path)
-        self.transformer = component(self.path, load_index(self.path), "transformer", DTYPES[m.dtype])
+        self.path = local_model(m.path, m.revision)
+        self.transformer = component(self.path, load_index(self.path), "transformer", DTYPES[m.dtype], device)
         if m.lora:
             from peft import LoraConfig
             torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built
             self.transformer.add_adapter(LoraConfig(r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
                                                     target_modules=m.lora.target_modules or self.LORA_TARGETS,
                                                     init_lora_weights=True))
+            for param in self.transformer.parameters():  # add_adapter casts the adapter to the model's dtype:
+                if param.requires_grad:                  # it trains in fp32 (as Flow-GRPO's), on a bf16 base too
+                    param.data = param.data.float()
 
     @property
     def lora(self) -> bool:
@@ -79,19 +65,19 @@ class FamilyVelocity(nn.Module):
         return uncond + self.spec.guidance_scale * (cond - uncond)
 
     def forward(self, x, sigma, **cond) -> torch.Tensor:
-        """v(x, sigma | text), guided against the empty prompt when `cond` holds its conditioning;
-        both branches in one batch."""
+        """v(x, sigma | text), guided against the empty prompt when `cond` holds its conditioning
+        (one row, shared by the batch); both branches in one batch."""
         positive, negative = split_negative(cond)
         if not negative or self.spec.guidance_scale == 1.0:
             return self.velocity(x, sigma, positive)
-        both = self.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]),
-                             {k: torch.cat([negative[k], positive[k]]) for k in positive})
+        shared = {k: v.expand(len(x), *v.shape[1:]) for k, v in negative.items()}
+        both = self.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), self.merge_conditions([shared, positive]))
         uncond, conditional = both.chunk(2)
         return self.guide(uncond, conditional)
 
     @staticmethod
     def merge_conditions(conds: list[dict]) -> dict[str, torch.Tensor]:
-        """Conditioning of several rollout shards as one batch (fixed-length embeddings: joined)."""
+        """Several batches' conditioning as one batch (fixed-length embeddings: joined)."""
         return {k: torch.cat([torch.as_tensor(c[k]) for c in conds]) for k in conds[0]}
 
     def synced_state(self) -> dict[str, torch.Tensor]:
@@ -110,23 +96,24 @@ class FamilyVelocity(nn.Module):
 
 class FamilyFrontEnd:
     """What a rollout worker keeps frozen: the family's text encoders behind a cache keyed by the
-    composed text, its VAE and its scheduler. Subclasses name their `COMPONENTS` and define
-    `encode_texts`, `latent_grid`, `sigmas` and `decode`."""
+    composed text (`rollout.text_cache_mb` of features in the encoders' dtype, the least recently
+    used evicted first), its VAE and its scheduler. Subclasses name their `COMPONENTS` and define
+    `encode_texts` (or `features` and `join`), `latent_grid`, `sigmas` and `decode`."""
     COMPONENTS: tuple[str, ...] = ()
-    ENCODERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")  # frozen modules moved to the device
+    ENCODERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")  # its frozen modules
 
     def __init__(self, config, device: torch.device):
         m = config.experts.generator.model
         self.config, self.spec, self.device = config, m, device
-        self.path = local_model(m.path)
+        self.path = local_model(m.path, m.revision)
         self.index = load_index(self.path)
-        self.parts = {name: component(self.path, self.index, name, DTYPES[m.dtype]) for name in self.COMPONENTS}
+        self.parts = {name: component(self.path, self.index, name, DTYPES[m.dtype], device) for name in self.COMPONENTS}
         for name in self.ENCODERS:
             if self.parts.get(name) is not None:
-                self.parts[name].requires_grad_(False).eval().to(device)
+                self.parts[name].requires_grad_(False).eval()
         self.vae, self.scheduler = self.parts.get("vae"), self.parts.get("scheduler")
         self.latent_shape = self.latent_grid(config.task.image_size)
-        self.cache: dict[str, dict[str, torch.Tensor]] = {}
+        self.cache = FeatureCache(int(config.rollout.text_cache_mb * 2 ** 20))
         self.stats = CacheStats()
         self.version = 0  # the text encoders never train
 
@@ -146,6 +133,16 @@ class FamilyFrontEnd:
         """The family's conditioning of `texts`, each entry (len(texts), ...), fixed-length per sample."""
         raise NotImplementedError
 
+    def features(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
+        """Each text's conditioning on its own (no batch axis), in the text encoders' dtype, every
+        tensor owning its storage (what the cache keeps)."""
+        batch = self.encode_texts(texts)
+        return [{k: v[i].clone() for k, v in batch.items()} for i in range(len(texts))]
+
+    def join(self, features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Texts' `features` as one batch of conditioning (fixed-length: stacked)."""
+        return {k: torch.stack([f[k] for f in features]) for k in features[0]}
+
     def sigmas(self, steps: int) -> torch.Tensor:
         """The family's sigmas for `steps` steps, from 1 down to 0 (T+1,), shifted as its pipeline does."""
         raise NotImplementedError
@@ -161,21 +158,22 @@ class FamilyFrontEnd:
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        """`encode_texts` behind the cache: each distinct text is encoded once per worker."""
-        missing = list(dict.fromkeys(t for t in texts if t not in self.cache))
+        """The batch of `texts`' features, each distinct text's computed once while the cache holds it."""
         self.stats.count(texts, self.cache)
+        found = {t: self.cache.get(t) for t in dict.fromkeys(texts)}
+        missing = [t for t, f in found.items() if f is None]
         if missing:
-            encoded = self.encode_texts(missing)
-            for i, t in enumerate(missing):
-                self.cache[t] = {k: v[i].float() if v.is_floating_point() else v[i] for k, v in encoded.items()}
-        return {k: torch.stack([self.cache[t][k] for t in texts]) for k in self.cache[texts[0]]}
+            for t, f in zip(missing, self.features(missing)):
+                found[t] = f
+                self.cache.put(t, f)
+        return self.join([found[t] for t in texts])
 
     def condition(self, prompts: list, refinements: list[dict], drop: str | None = None) -> dict[str, torch.Tensor]:
-        """The conditioning of each sample's composed text, and the empty prompt's under guidance."""
+        """The conditioning of each sample's composed text, and under guidance the empty prompt's
+        (one row: the velocity broadcasts it)."""
         cond = self.encode([self.compose(p, r, drop) for p, r in zip(prompts, refinements)])
         if self.spec.guidance_scale != 1.0:
-            negative = self.encode([""])
-            cond.update({NEGATIVE + k: v.expand_as(cond[k]).contiguous() for k, v in negative.items()})
+            cond.update({NEGATIVE + k: v for k, v in self.encode([""]).items()})
         return cond
 
     def scheduler_sigmas(self, steps: int, **kwargs) -> torch.Tensor:

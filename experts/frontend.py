@@ -26,7 +26,8 @@ def build_text_encoder(config, fresh: bool = False) -> TextEncoder:
 class ShapesFrontEnd:
     def __init__(self, config, device: torch.device):
         self.config = config
-        self.encoder = CachedEncoder(build_text_encoder(config).to(device), version=0)
+        self.encoder = CachedEncoder(build_text_encoder(config).to(device), int(config.rollout.text_cache_mb * 2 ** 20),
+                                     version=0)
         size = config.task.image_size
         self.latent_shape = (3, size, size)
 
@@ -58,7 +59,8 @@ class ShapesFrontEnd:
 
 def build_frontend(config, device: torch.device = torch.device("cpu")):
     if config.experts.generator.model.kind == "diffusers_flow":
+        from common.hub import local_model
         from experts.families import family_module
-        from experts.hub import local_model
-        return family_module(local_model(config.experts.generator.model.path)).FrontEnd(config, device)
+        m = config.experts.generator.model
+        return family_module(local_model(m.path, m.revision)).FrontEnd(config, device)
     return ShapesFrontEnd(config, device)

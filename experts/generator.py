@@ -14,11 +14,13 @@ import torch
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from algorithm.losses import GeneratorObjective, generator_backward
+from common.config import Resources, Strict
+from common.seeding import derive_seed
 from experts.build import ExpertKind
 from experts.devices import to_device
-from experts.flow_family import NEGATIVE
-from experts.seeding import derive_seed
-from experts.spec import LoraConfig, ParallelConfig, Resources, Strict, default_kind
+from experts.spec import LoraConfig, ParallelConfig, default_kind
+from experts.trajectories import Trajectories, device_tensors
+from experts.weights import as_tensor
 
 
 class TinyDiTConfig(Strict):
@@ -40,7 +42,9 @@ class DiffusersFlowConfig(Strict):
                                   "fetched when loaded")
     revision: str | None = Field(None, description="the hub revision to load (a branch, tag or commit hash; pin "
                                                    "a commit for runs that repeat); None: the default branch")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute; "
+                                                  "what trains is kept in fp32 (with its gradients and AdamW "
+                                                  "moments) and computed in this dtype")
     guidance_scale: float = Field(1.0, ge=1.0, description="> 1: true classifier-free guidance against the empty "
                                                            "prompt (SD3's and FLUX.2 klein's guidance_scale, "
                                                            "FLUX.1's and Qwen-Image's true_cfg_scale); 1: none")
@@ -108,13 +112,13 @@ class GeneratorConfig(Strict):
 class GeneratorKind(ExpertKind):
     """The generator learns from every sample's trajectory, with Flow-GRPO's loss (algorithm/losses.py)."""
 
-    def fresh_model(self) -> torch.nn.Module:
+    def fresh_model(self, device: torch.device) -> torch.nn.Module:
         m = self.spec.model
         if m.kind == "diffusers_flow":
+            from common.hub import local_model
             from experts.families import family_module
-            from experts.hub import local_model
-            return family_module(local_model(m.path)).Velocity(
-                self.spec, derive_seed(self.config.trainer.seed, "init", self.expert_id))
+            return family_module(local_model(m.path, m.revision)).Velocity(
+                self.spec, derive_seed(self.config.trainer.seed, "init", self.expert_id), device)
         from experts.dit import TinyDiT
         return TinyDiT(self.config.task.image_size, 3, m.patch, m.d_model, m.n_layers, m.n_heads,
                        self.config.experts.text_encoder.d_model)
@@ -123,16 +127,18 @@ class GeneratorKind(ExpertKind):
         """(its advantage of every sample, then the trajectories of every rollout shard)."""
         return (advantages.generator, *[o.trajectories for o in outputs])
 
-    def merge(self, model, shards: list[dict], device: torch.device) -> dict:
+    def merge(self, model, shards: list[Trajectories], device: torch.device) -> dict:
         """All trajectories of every shard as one batch, their conditioning joined as the model needs
-        it (the tiny DiT re-pads its text features to a common length), without the empty prompt's
-        unless the update trains with guidance (`train_cfg`)."""
-        return to_device({"states": torch.cat([torch.tensor(s["states"]) for s in shards]),
-                          "logps": torch.cat([torch.tensor(s["logps"]) for s in shards]),
-                          "cond": model.merge_conditions([{k: torch.tensor(v) for k, v in s["cond"].items()
-                                                           if self.spec.train_cfg or not k.startswith(NEGATIVE)}
-                                                          for s in shards]),
-                          "sigmas": torch.tensor(shards[0]["sigmas"]), "sde": torch.tensor(shards[0]["sde"])}, device)
+        it (the tiny DiT and Qwen-Image re-pad their text features to a common length), without the
+        empty prompt's, which every shard holds once, unless the update trains with guidance
+        (`train_cfg`)."""
+        first = shards[0]
+        return to_device({"states": torch.cat([as_tensor(s.states) for s in shards]),
+                          "state_steps": as_tensor(first.state_steps),
+                          "logps": torch.cat([as_tensor(s.logps) for s in shards]),
+                          "cond": model.merge_conditions([device_tensors(s.cond, s.dtypes) for s in shards]),
+                          "shared_cond": device_tensors(first.shared_cond, first.dtypes) if self.spec.train_cfg else {},
+                          "sigmas": as_tensor(first.sigmas), "sde": as_tensor(first.sde)}, device)
 
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None):

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experts.hub import local_model
+from common.hub import local_model
+from common.loading import DTYPES, load_tokenizer, pretrained
 from tasks.base import Refinement
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # a causal LM's attention projections
 
 
@@ -33,25 +33,15 @@ def answer_of(text: str, tag: str | None) -> tuple[str, bool | None]:
     return (found.group(1).strip(), True) if found else ("", False)
 
 
-def load_tokenizer(path: str):
-    """The tokenizer saved with the model: its tokenizer.json as it is (AutoTokenizer may rebuild
-    it as the class of the model's type), else whatever AutoTokenizer makes of the folder."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    try:
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    except (OSError, ValueError):
-        return AutoTokenizer.from_pretrained(path)
-
-
 class HFRefiner(nn.Module):
-    def __init__(self, spec, seed: int):
+    def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu")):
         super().__init__()
         from transformers import AutoModelForCausalLM
         m = spec.model
         self.spec, self.max_new_tokens, self.temperature = m, spec.max_new_tokens, spec.temperature
-        path = local_model(m.path)
+        path = local_model(m.path, m.revision)
         self.tokenizer = load_tokenizer(path)
-        self.lm = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[m.dtype])
+        self.lm = pretrained(AutoModelForCausalLM, path, DTYPES[m.dtype], device)
         if m.lora:
             from peft import LoraConfig, get_peft_model
             torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built
@@ -94,7 +84,7 @@ class HFRefiner(nn.Module):
         done = torch.zeros(b, dtype=torch.bool, device=ids.device)
         tokens, logps, masks = [], [], []
         out = self.lm(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
-                      use_cache=True)
+                      use_cache=True, logits_to_keep=1)  # the LM head at the last position only
         for j in range(self.max_new_tokens):
             lp = self.step_logprobs(out.logits[:, -1])
             cdf = lp.exp().cumsum(-1)
@@ -117,13 +107,16 @@ class HFRefiner(nn.Module):
                 F.pad(torch.stack(masks, 1), (0, pad), value=False))
 
     def token_logprobs(self, prompts: list[list[int]], tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Log-probs (B, M) of the generated `tokens` (where `mask`), with gradients; 0 elsewhere."""
+        """Log-probs (B, M) of the generated `tokens` (where `mask`), with gradients; 0 elsewhere.
+        The LM head and the fp32 log-softmax run only at the M positions that predict them (the
+        context's last and each generated token's but the last, which predicts nothing scored):
+        at a real vocabulary the logits of every position would dwarf the rest of the update."""
         ids, attention = self.left_pad(prompts)
-        seq = torch.cat([ids, tokens], 1)
-        attention = torch.cat([attention, mask.long()], 1)
-        logits = self.lm(input_ids=seq, attention_mask=attention,
-                         position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
-        lp = self.step_logprobs(logits[:, ids.shape[1] - 1:-1])
+        seq = torch.cat([ids, tokens[:, :-1]], 1)
+        attention = torch.cat([attention, mask[:, :-1].long()], 1)
+        logits = self.lm(input_ids=seq, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
+                         use_cache=False, logits_to_keep=tokens.shape[1]).logits
+        lp = self.step_logprobs(logits)
         return torch.where(mask, lp.gather(2, tokens[:, :, None]).squeeze(2), 0.0)
 
     def refinement(self, tokens: list[int], mask: list[bool]) -> Refinement:

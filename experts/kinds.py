@@ -13,6 +13,8 @@ def expert_kind(config, expert_id: str) -> ExpertKind:
     return (GeneratorKind if isinstance(spec, GeneratorConfig) else RefinerKind)(config, expert_id, spec)
 
 
-def build_model(config, expert_id: str, fresh: bool = False) -> torch.nn.Module:
-    """Expert `expert_id`'s model at version 0: seeded, then from its `init` file unless `fresh`."""
-    return expert_kind(config, expert_id).build_model(fresh)
+def build_model(config, expert_id: str, fresh: bool = False, device: torch.device = torch.device("cpu")) \
+        -> torch.nn.Module:
+    """Expert `expert_id`'s model at version 0: seeded, then from its `init` file unless `fresh`; a
+    pretrained model is loaded straight onto `device` (a tiny one is built on the host)."""
+    return expert_kind(config, expert_id).build_model(fresh, device)

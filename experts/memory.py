@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from experts.hub import is_tiny, local_model
+from common.hub import is_tiny, local_model
 from experts.parallel import blocks
 
 ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "architectures"

@@ -94,14 +94,17 @@ def checkpoint_activations(model: nn.Module) -> None:
     apply_activation_checkpointing(model, check_fn=lambda m: id(m) in units)
 
 
-def shard(model: nn.Module, device: torch.device, reshard_after_forward: bool = True) -> nn.Module:
+def shard(model: nn.Module, device: torch.device, reshard_after_forward: bool = True,
+          mixed_precision=None) -> nn.Module:
     """`model` sharded in place over the process group with FSDP2: each block, then the rest; its
-    gradients summed, not averaged, across ranks (the convention above)."""
+    gradients summed, not averaged, across ranks (the convention above). `mixed_precision`: an
+    FSDP2 MixedPrecisionPolicy (experts/precision.py), None: computed as kept."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for unit in [*blocks(model), model]:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mixed_precision or MixedPrecisionPolicy())
         unit.set_gradient_divide_factor(1.0)  # each unit reduces its own gradients
         unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     for name in FORWARD_METHODS:
@@ -157,15 +160,16 @@ def sum_stats(loss: float, stats: dict) -> tuple[float, dict]:
     return float(values[0]), dict(zip(keys, values[1:].tolist()))
 
 
-def gathered(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def gathered(model: nn.Module, state: dict[str, torch.Tensor], by_unit: bool = True) -> dict[str, torch.Tensor]:
     """`state` (entries of the sharded `model`'s state_dict) whole on the CPU, gathered one FSDP
     unit at a time (one all-gather each; a collective: every rank calls it), so a device never
-    holds more than one unit whole; plain entries as they are."""
+    holds more than one unit whole; plain entries as they are. Not `by_unit` (units gathered in
+    another dtype than they keep, under mixed precision): one tensor at a time, as kept."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     from torch.distributed.fsdp import FSDPModule
     out = {k: v for k, v in state.items() if not isinstance(v, DTensor)}
     for prefix, unit in model.named_modules():
-        if not isinstance(unit, FSDPModule):
+        if not by_unit or not isinstance(unit, FSDPModule):
             continue
         unit.unshard()  # its own parameters become whole plain tensors until `reshard`
         for name, p in unit.named_parameters(prefix=prefix):

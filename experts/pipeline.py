@@ -1,26 +1,31 @@
-"""`RolloutPipeline`: refine -> compose -> encode -> generate -> reward -> counterfactual, for a
-batch of samples, with inference copies of every expert and the generator's frozen front end
+"""`RolloutPipeline`: refine -> compose -> encode -> generate -> decode -> reward -> counterfactual,
+for a batch of samples, with inference copies of every expert and the generator's frozen front end
 (text encoding, latent space, decoding: experts/frontend.py).
 
 `run` returns a rollout's outputs as three parts: small metadata for the driver, the generator's
-trajectories and each refiner's token batch; the last two go to the experts that learn from them.
-Every draw is seeded by (trainer.seed, step, sample), so a rollout is a pure function of the step,
-its samples and the weights: the same sample comes out the same in any batch, on any worker.
+trajectories (experts/trajectories.py) and each refiner's token batch; the last two go to the
+experts that learn from them. A worker's share goes through in chunks of `rollout.batch_size`
+samples, each chunk's outputs on the host before the next starts, so that the device holds one
+chunk's activations, latents and images whatever the share. Every draw is seeded by (trainer.seed,
+step, sample), so a rollout is a pure function of the step, its samples and the weights: the same
+sample comes out the same in any batch or chunk, on any worker.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from algorithm.batch import Sample
+from algorithm.losses import kept_states, trained_steps
 from algorithm.sde import sample, sde_steps
+from common.seeding import generator
 from experts.frontend import build_frontend
 from experts.kinds import build_model
-from experts.seeding import generator
+from experts.trajectories import split_shared, trajectories
 from experts.weights import load
 from tasks import build_task
 from tasks.base import Refinement, to_uint8
@@ -70,15 +75,46 @@ class RolloutMeta:
 
 
 class RolloutOutputs(NamedTuple):
-    """A rollout's outputs: its metadata, the generator's trajectories ({states, logps, cond,
-    sigmas, sde}) and {refiner id: its token batch}. The driver holds them as ObjectRefs."""
+    """A rollout's outputs: its metadata, the generator's trajectories (a Trajectories) and
+    {refiner id: its token batch}. The driver holds them as ObjectRefs."""
     meta: Any
     trajectories: Any
     tokens: dict[str, Any]
 
 
+class Chunk(NamedTuple):
+    """One chunk of a rollout, on the host: its metadata (the whole rollout's cache counts and time
+    are filled in once joined), the generator's kept states (B, S, *latent), log-probs,
+    conditioning per sample and the one row every sample shares, and each refiner's token batch."""
+    meta: RolloutMeta
+    states: torch.Tensor
+    logps: torch.Tensor
+    cond: dict[str, torch.Tensor]
+    shared: dict[str, torch.Tensor]
+    tokens: dict[str, dict]
+
+
 def as_text(refinements: list[dict[str, Refinement]]) -> list[dict[str, str]]:
     return [{e: r.text for e, r in refs.items()} for refs in refinements]
+
+
+def joined_tokens(parts: list[dict]) -> dict:
+    """One refiner's token batches of several chunks as one (a chunk without a refined sample
+    holds no tokens)."""
+    drawn = [p for p in parts if len(p["prompts"])]
+    if not drawn:
+        return {"prompts": []}
+    return {"prompts": [x for p in drawn for x in p["prompts"]],
+            **{k: np.concatenate([p[k] for p in drawn]) for k in ("tokens", "logps", "mask")}}
+
+
+def joined_results(parts: list[dict]) -> dict:
+    """Several chunks' results ({key: array, list, or {name: array}}) as one, in chunk order."""
+    def join(values: list):
+        if isinstance(values[0], dict):
+            return {k: join([v[k] for v in values]) for k in values[0]}
+        return [x for v in values for x in v] if isinstance(values[0], list) else np.concatenate(values)
+    return {k: join([p[k] for p in parts]) for k in parts[0]}
 
 
 class RolloutPipeline:
@@ -88,16 +124,16 @@ class RolloutPipeline:
         self.config, self.device = config, device
         self.task = build_task(config)
         self.refiner_ids = list(config.experts.active_refiners())
-        self.models = {eid: build_model(config, eid).eval().to(device) for eid in config.experts.ids()}
+        self.models = {eid: build_model(config, eid, device=device).eval().to(device) for eid in config.experts.ids()}
         self.versions: dict[str, int | None] = {eid: None for eid in self.models}
         self.frontend = build_frontend(config, device)
         steps = config.experts.generator.sample_steps
         self.sigmas, self.sde = self.frontend.sigmas(steps), sde_steps(steps, config.experts.generator.sde_window)
+        self.state_steps = kept_states(trained_steps(self.sde, config.experts.generator.train_final_step))
         self.owners = config.owners()
         scorers = scorers or {}
         self.rewards = RewardSet({name: scorers.get(name) or build_scorer(term, device)
                                   for name, term in config.reward.terms.items()}, self.owners, config.reward.timeout_s)
-        self.faults: dict[str, int] = {}
 
     def load(self, expert_id: str, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Serve `tensors` (a whole version, as the model holds them) as `version` of `expert_id`;
@@ -108,26 +144,44 @@ class RolloutPipeline:
     def version_vector(self) -> dict:
         return {**self.versions, "text_encoder": self.frontend.version}
 
+    def chunks(self, items: list) -> list[tuple[int, list]]:
+        """(position of its first item, its items) of each chunk of `rollout.batch_size` items
+        (None: one chunk of them all)."""
+        size = self.config.rollout.batch_size or max(len(items), 1)
+        return [(first, items[first:first + size]) for first in range(0, len(items), size)]
+
     def run(self, step: int, samples: list) -> RolloutOutputs:
-        """`samples` (algorithm.batch.Sample, in the step's order) rolled out with the weights served now."""
+        """`samples` (algorithm.batch.Sample, in the step's order) rolled out with the weights served
+        now, chunk by chunk, and joined."""
         start = time.perf_counter()
+        parts = [self.run_chunk(step, chunk) for _, chunk in self.chunks(samples)]
+        hits, misses = self.frontend.take_stats()
+        meta = replace(RolloutMeta.join([p.meta for p in parts]), cache_hits=hits, cache_misses=misses,
+                       busy_s=time.perf_counter() - start)
+        cond = self.models["generator"].merge_conditions([p.cond for p in parts])
+        shard = trajectories(torch.cat([p.states for p in parts]), self.state_steps,
+                             torch.cat([p.logps for p in parts]), cond, parts[0].shared, self.sigmas, self.sde)
+        tokens = {eid: joined_tokens([p.tokens[eid] for p in parts]) for eid in self.refiner_ids}
+        return RolloutOutputs(meta, shard, tokens)
+
+    def run_chunk(self, step: int, samples: list) -> Chunk:
+        """One chunk of a rollout, from refinement to reward, its outputs moved to the host."""
         refinements, tokens = self.refine(step, samples)
         noise = self.noise(step, samples)
         cond = self.frontend.condition([s.prompt for s in samples], refinements)
         states, logps = self.generate(cond, noise, sde=True)
-        self.faults = {}
-        images = self.frontend.decode(states[:, -1])
-        terms, valid = self.reward(images, samples, refinements)
-        counterfactual = self.counterfactual(step, samples, refinements, noise)
-        hits, misses = self.frontend.take_stats()
-        shown = np.stack([to_uint8(im) for im in images.cpu().numpy()]) if self.shows_images(step) else None
+        images = self.frontend.decode(states[:, -1]).cpu().numpy()
+        # on the host before the rewards and the regenerations: the device holds one chunk's latents at a time
+        kept, logps = states[:, self.state_steps.to(states.device)].cpu(), logps.cpu()
+        per_sample, shared = split_shared({k: v.cpu() for k, v in cond.items()})
+        del states, cond
+        faults: dict[str, int] = {}
+        terms, valid = self.reward(images, samples, refinements, faults)
+        counterfactual = self.counterfactual(step, samples, refinements, noise, faults)
+        shown = np.stack([to_uint8(im) for im in images]) if self.shows_images(step) else None
         meta = RolloutMeta([s.sample for s in samples], terms, valid, [self.version_vector()] * len(samples),
-                           counterfactual, as_text(refinements), self.faults, hits, misses,
-                           time.perf_counter() - start, shown)
-        trajectories = {"states": states.cpu().numpy(), "logps": logps.cpu().numpy(),
-                        "cond": {k: v.cpu().numpy() for k, v in cond.items()},
-                        "sigmas": self.sigmas.numpy(), "sde": self.sde.numpy()}
-        return RolloutOutputs(meta, trajectories, tokens)
+                           counterfactual, as_text(refinements), faults, 0, 0, 0.0, shown)
+        return Chunk(meta, kept, logps, per_sample, shared, tokens)
 
     def shows_images(self, step: int) -> bool:
         """Whether `step`'s images go to the trackers (`logging.images_every`, and the last step)."""
@@ -137,22 +191,28 @@ class RolloutPipeline:
     def draw(self, prompts: list, refine: bool, tag: str = "eval", first: int = 0) -> dict:
         """One ODE sample per prompt (refined by every refiner if `refine`), its draws seeded by
         `tag` and the prompt's position (counted from `first`, so a long list drawn in parts draws
-        the same images): {"images", "refinements"}."""
-        images, refinements = self.drawn(prompts, refine, tag, first)
-        return {"images": images, "refinements": as_text(refinements)}
+        the same images), in chunks of `rollout.batch_size`: {"images", "refinements"}."""
+        drawn = joined_results([self.drawn(part, refine, tag, first + at) for at, part in self.chunks(prompts)])
+        return {"images": drawn["images"], "refinements": as_text(drawn["refinements"])}
 
-    def drawn(self, prompts: list, refine: bool, tag: str, first: int = 0):
-        """`draw`'s (images, per prompt {refiner: Refinement})."""
+    def drawn(self, prompts: list, refine: bool, tag: str, first: int = 0) -> dict:
+        """`draw` of one chunk, its images on the host."""
         samples = [Sample(first + i, first + i, p, refine) for i, p in enumerate(prompts)]
         refinements, _ = self.refine(tag, samples)
         cond = self.frontend.condition(prompts, refinements)
         states, _ = self.generate(cond, self.noise(tag, samples), sde=False)
-        return self.frontend.decode(states[:, -1]).cpu().numpy(), refinements
+        return {"images": self.frontend.decode(states[:, -1]).cpu().numpy(), "refinements": refinements}
 
     def evaluate(self, prompts: list, refine: bool, first: int = 0) -> dict:
         """Every reward term of one ODE sample per prompt (as `draw`), and the strict correctness of
-        the terms that have one: {"images", "refinements", "terms", "valid", "strict"}."""
-        images, refinements = self.drawn(prompts, refine, "eval", first)
+        the terms that have one, in chunks of `rollout.batch_size`: {"images", "refinements",
+        "terms", "valid", "strict"}."""
+        return joined_results([self.evaluated(part, refine, first + at) for at, part in self.chunks(prompts)])
+
+    def evaluated(self, prompts: list, refine: bool, first: int) -> dict:
+        """`evaluate` of one chunk."""
+        drawn = self.drawn(prompts, refine, "eval", first)
+        images, refinements = drawn["images"], drawn["refinements"]
         terms, valid, _ = self.rewards(images, prompts, refinements)
         return {"images": images, "refinements": as_text(refinements), "terms": terms, "valid": valid,
                 "strict": self.rewards.strict(images, prompts, refinements)}
@@ -197,18 +257,18 @@ class RolloutPipeline:
                 seed, "initial noise", step, s.group)) for s in samples])
         return draws
 
-    def reward(self, images: torch.Tensor, samples: list, refinements: list[dict]):
+    def reward(self, images: np.ndarray, samples: list, refinements: list[dict], faults: dict[str, int]):
         """(named terms, valid per sample) of decoded images in [-1, 1], scored against the original
-        prompts; faults are counted into `self.faults`."""
-        terms, valid, faults = self.rewards(images.cpu().numpy(), [s.prompt for s in samples], refinements)
-        for kind, n in faults.items():
-            self.faults[kind] = self.faults.get(kind, 0) + n
+        prompts; faults are counted into `faults`."""
+        terms, valid, found = self.rewards(images, [s.prompt for s in samples], refinements)
+        for kind, n in found.items():
+            faults[kind] = faults.get(kind, 0) + n
         return terms, valid
 
-    def counterfactual(self, step, samples, refinements, noise) -> dict[str, dict[str, np.ndarray]]:
+    def counterfactual(self, step, samples, refinements, noise, faults: dict) -> dict[str, dict[str, np.ndarray]]:
         """Per refiner k, the reward terms of R(without y_k): the same sample regenerated from the
-        same noise with y_k dropped (NaN where not drawn; `counterfactual_fraction` bounds the cost).
-        Only under counterfactual credit (algorithm/credit.py)."""
+        same noise with y_k dropped (NaN where not drawn; `counterfactual_fraction` bounds the cost),
+        reward faults counted into `faults`. Only under counterfactual credit (algorithm/credit.py)."""
         algo = self.config.algorithm
         if algo.credit != "counterfactual":
             return {}
@@ -223,7 +283,7 @@ class RolloutPipeline:
                 cond = self.frontend.condition([s.prompt for s in sub], [refinements[i] for i in rows], drop=eid)
                 states, _ = self.generate(cond, noise[rows], sde=True)
                 without = [{e: r for e, r in refinements[i].items() if e != eid} for i in rows]
-                terms, valid = self.reward(self.frontend.decode(states[:, -1]), sub, without)
+                terms, valid = self.reward(self.frontend.decode(states[:, -1]).cpu().numpy(), sub, without, faults)
                 for t, v in terms.items():
                     values[t][rows] = np.where(valid, v, np.nan)
             out[eid] = values

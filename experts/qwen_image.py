@@ -1,21 +1,24 @@
 """The Qwen-Image family (`QwenImagePipeline`): an MMDiT on 2x2-packed tokens of a causal 3-D VAE's
 latents (B, C, 1, H/8, W/8), a Qwen2.5-VL text encoder read through a chat template whose system turn
 is dropped, and a FlowMatchEulerDiscreteScheduler with dynamic (sequence-length) shifting. As diffusers'
-pipeline: sigmas linspace(1, 1/N, N) shifted by mu = calculate_shift(image tokens), timestep = sigma,
+pipeline: sigmas linspace(1, 1/N, N) shifted by mu = calculate_shift(image tokens), timestep = the
+scheduler's t = sigma * 1000 cast to the model's dtype, then divided by 1000 (in bf16: not bf16(sigma)),
 true classifier-free guidance whose combination is rescaled, token by token, to the conditional
 prediction's norm, latents decoded as z * latents_std + latents_mean.
 
 jointrl's flow runs on the unpacked grid (C, H/8, W/8) without the frame axis; the velocity packs and
-unpacks. The prompt's embeddings are padded with zeros to max_sequence_length, with a mask of the real
-tokens (the pipeline pads to the batch's longest prompt): the transformer masks padded text tokens out
-of attention and places text RoPE by index, so the padding leaves the velocity unchanged.
+unpacks. Each text keeps its own length (at most max_sequence_length tokens) in the cache; a batch
+pads its embeddings with zeros to its longest prompt, as the pipeline does, with a mask of the real
+tokens (which the pipeline drops when nothing is padded): the transformer masks padded text tokens
+out of attention and places text RoPE by index, so the padding leaves the velocity unchanged, and
+batches joined for the update (or the guidance's two branches) are padded again to their longest.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from experts.flow_family import FamilyFrontEnd, FamilyVelocity
+from experts.text_encoder import pad_features
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -31,6 +34,13 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
             .reshape(b, channels // 4, height, width))
 
 
+def padded_text(embeds: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Texts' embeddings (L_i, D) as one batch: right-padded with zeros to the longest, with the mask
+    of the real tokens."""
+    padded, pad = pad_features(embeds)
+    return {"prompt_embeds": padded, "prompt_embeds_mask": ~pad}
+
+
 class Velocity(FamilyVelocity):
     # the joint attention's projections, image and text stream (verl's Flow-GRPO for Qwen-Image adds the MLPs)
     LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -38,11 +48,16 @@ class Velocity(FamilyVelocity):
     def velocity(self, x, sigma, cond) -> torch.Tensor:
         dtype = self.transformer.dtype
         batch, _, height, width = x.shape
-        out = self.transformer(hidden_states=pack(x).to(dtype), timestep=sigma.to(dtype),
+        out = self.transformer(hidden_states=pack(x).to(dtype), timestep=(sigma * 1000.0).to(dtype) / 1000,
                                encoder_hidden_states=cond["prompt_embeds"].to(dtype),
                                encoder_hidden_states_mask=cond["prompt_embeds_mask"],
                                img_shapes=[[(1, height // 2, width // 2)]] * batch).sample
         return unpack(out.float(), height, width)
+
+    @staticmethod
+    def merge_conditions(conds: list[dict]) -> dict[str, torch.Tensor]:
+        """Several batches' conditioning as one, padded again to the longest text of them all."""
+        return padded_text([e[m] for c in conds for e, m in zip(c["prompt_embeds"], c["prompt_embeds_mask"])])
 
     def guide(self, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Qwen-Image's true CFG: each packed token's guided velocity rescaled to the conditional one's norm."""
@@ -65,13 +80,16 @@ class FrontEnd(FamilyFrontEnd):
         side = 2 * self.check_side(2 * 2 ** len(self.vae.temperal_downsample))
         return self.vae.config.z_dim, side, side
 
-    def encode_texts(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        length = self.spec.max_sequence_length
-        embeds, mask = self.pipeline.encode_prompt(prompt=texts, device=self.device, max_sequence_length=length)
-        if mask is None:  # the pipeline's "no padding"
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        pad = length - embeds.shape[1]
-        return {"prompt_embeds": F.pad(embeds, (0, 0, 0, pad)), "prompt_embeds_mask": F.pad(mask, (0, pad)).bool()}
+    def features(self, texts: list[str]) -> list[dict[str, torch.Tensor]]:
+        """Each text's embeddings at its own length (the pipeline pads a batch to its longest: the
+        real tokens come first)."""
+        embeds, mask = self.pipeline.encode_prompt(prompt=texts, device=self.device,
+                                                   max_sequence_length=self.spec.max_sequence_length)
+        lengths = mask.sum(1).tolist() if mask is not None else [embeds.shape[1]] * len(texts)  # None: no padding
+        return [{"prompt_embeds": e[:n].clone()} for e, n in zip(embeds, lengths)]
+
+    def join(self, features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return padded_text([f["prompt_embeds"] for f in features])
 
     def sigmas(self, steps: int) -> torch.Tensor:
         _, height, width = self.latent_shape

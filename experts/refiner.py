@@ -7,16 +7,17 @@ checked by driver/preflight.py.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 import torch
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
-from algorithm.losses import refiner_loss
+from algorithm.losses import refiner_backward
+from common.config import Resources, Strict
+from common.seeding import derive_seed
 from experts.build import ExpertKind
 from experts.devices import to_device
-from experts.seeding import derive_seed
-from experts.spec import LoraConfig, ParallelConfig, Resources, Strict, default_kind
+from experts.spec import LoraConfig, ParallelConfig, default_kind
 
 
 class TinyLMConfig(Strict):
@@ -35,7 +36,9 @@ class HFCausalLMConfig(Strict):
                                   "fetched when loaded")
     revision: str | None = Field(None, description="the hub revision to load (a branch, tag or commit hash; pin "
                                                    "a commit for runs that repeat); None: the default branch")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the weights and compute; "
+                                                  "what trains is kept in fp32 (with its gradients and AdamW "
+                                                  "moments) and computed in this dtype")
     system_prompt: str = Field("Rewrite the user's image prompt into a more detailed one. Think briefly, then give "
                                "the new prompt inside <answer></answer>.",
                                description="the system message before the user's prompt; empty: none")
@@ -77,11 +80,11 @@ class RefinerKind(ExpertKind):
     """A refiner learns from the samples it refined, from its own token batch of each rollout shard,
     with GRPO's token-level loss (algorithm/losses.py)."""
 
-    def fresh_model(self) -> torch.nn.Module:
+    def fresh_model(self, device: torch.device) -> torch.nn.Module:
         m, spec = self.spec.model, self.spec
         if m.kind == "hf_causal_lm":
             from experts.hf_refiner import HFRefiner
-            return HFRefiner(spec, derive_seed(self.config.trainer.seed, "init", self.expert_id))
+            return HFRefiner(spec, derive_seed(self.config.trainer.seed, "init", self.expert_id), device)
         from experts.refiner_lm import TinyCausalLM
         from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
         return TinyCausalLM(len(VOCAB), m.d_model, m.n_layers, m.n_heads, MAX_PROMPT_WORDS + 2 + spec.max_new_tokens,
@@ -98,10 +101,7 @@ class RefinerKind(ExpertKind):
                           **{k: torch.cat([torch.tensor(s[k]) for s in parts]) for k in ("tokens", "logps", "mask")}},
                          device)
 
-    def loss(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None):
-        if rows is None:
-            return refiner_loss(model, reference, batch, adv, self.spec.clip_eps, self.spec.kl_beta)
-        share = {"prompts": [batch["prompts"][i] for i in rows.tolist()],
-                 **{k: batch[k][rows.to(batch[k].device)] for k in ("tokens", "logps", "mask")}}
-        return refiner_loss(model, reference, share, adv[rows.to(adv.device)], self.spec.clip_eps, self.spec.kl_beta,
-                            tokens=float(batch["mask"].sum()))
+    def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
+                 before_last: Callable[[], None] | None = None):
+        s = self.spec
+        return refiner_backward(model, reference, batch, adv, s.clip_eps, s.kl_beta, s.micro_batch, rows, before_last)

@@ -31,11 +31,12 @@ class TinyCausalLM(Trunk):
         banned[[PAD, BOS, SEP]] = True
         self.register_buffer("banned", banned, persistent=False)
 
-    def logprobs(self, seq: torch.Tensor) -> torch.Tensor:
-        """Next-token log-probs (B, L, V) at every position of left-padded `seq`, at temperature."""
+    def logprobs(self, seq: torch.Tensor, keep: int) -> torch.Tensor:
+        """Next-token log-probs (B, keep, V) at the last `keep` positions of left-padded `seq`, at
+        temperature; the head runs only there."""
         pad = seq == PAD
         pos = ((~pad).cumsum(1) - 1).clamp(min=0)
-        logits = self.head(self.trunk(seq, pos, causal_mask(pad))) / self.temperature
+        logits = self.head(self.trunk(seq, pos, causal_mask(pad))[:, seq.shape[1] - keep:]) / self.temperature
         return F.log_softmax(logits.masked_fill(self.banned, float("-inf")), dim=-1)
 
     def context(self, prompts: list[list[int]]) -> torch.Tensor:
@@ -52,7 +53,7 @@ class TinyCausalLM(Trunk):
         done = torch.zeros(b, dtype=torch.bool, device=seq.device)
         tokens, logps, mask = [], [], []
         for j in range(m):
-            lp = self.logprobs(seq)[:, -1]
+            lp = self.logprobs(seq, 1)[:, -1]
             cdf = lp.exp().cumsum(-1)
             tok = torch.searchsorted(cdf, uniforms[:, j:j + 1] * cdf[:, -1:]).squeeze(1).clamp(max=lp.shape[-1] - 1)
             valid = ~done
@@ -75,7 +76,6 @@ class TinyCausalLM(Trunk):
     def token_logprobs(self, prompts: list[list[int]], tokens: torch.Tensor, mask=None) -> torch.Tensor:
         """Log-probs (B, M) of the sampled `tokens` given their prompts, with gradients (after the
         end, PAD tokens mark what `mask` says, and score 0)."""
-        ctx = self.context(prompts)
-        seq = torch.cat([ctx, tokens], 1)
-        lp = self.logprobs(seq)[:, ctx.shape[1] - 1:-1]
+        seq = torch.cat([self.context(prompts), tokens[:, :-1]], 1)  # the last token predicts nothing scored
+        lp = self.logprobs(seq, tokens.shape[1])
         return torch.where(tokens == PAD, 0.0, lp.gather(2, tokens[:, :, None]).squeeze(2))

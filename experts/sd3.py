@@ -1,6 +1,7 @@
 """The SD3 family (`StableDiffusion3Pipeline`: SD3, SD3.5): an MMDiT on VAE latents (C, H/8, W/8),
 CLIP-L and CLIP-G (pooled and per token) and T5 text encoders, a FlowMatchEulerDiscreteScheduler
-with a fixed shift. As diffusers' pipeline: timestep = sigma * 1000 (SD3's num_train_timesteps),
+with a fixed shift. As diffusers' pipeline: timestep = sigma * 1000 (SD3's num_train_timesteps) in
+float32 whatever the model's dtype (the pipeline passes the scheduler's timesteps as they are),
 guidance against the empty prompt, latents decoded as z / scaling_factor + shift_factor.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from experts.flow_family import FamilyFrontEnd, FamilyVelocity
 class Velocity(FamilyVelocity):
     def velocity(self, x, sigma, cond) -> torch.Tensor:
         dtype = self.transformer.dtype
-        out = self.transformer(hidden_states=x.to(dtype), timestep=(sigma * 1000.0).to(dtype),
+        out = self.transformer(hidden_states=x.to(dtype), timestep=sigma.float() * 1000.0,  # the pipeline's t
                                encoder_hidden_states=cond["prompt_embeds"].to(dtype),
                                pooled_projections=cond["pooled"].to(dtype)).sample
         return out.float()

@@ -1,4 +1,5 @@
-"""Config pieces every expert kind shares: the strict pydantic base, Ray resources, LoRA, the text encoder.
+"""Config pieces every expert kind shares: parallelism, LoRA, the text encoder (the strict base and
+Ray resources are common/config.py's).
 
 Expert config sections live next to their kinds (experts/refiner.py, experts/generator.py), so this
 module is pure: it imports neither the driver, the cluster nor Ray, and checks nothing outside the
@@ -8,26 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt
 
-
-class Strict(BaseModel):
-    """A config section: unknown keys are errors, and assignments are validated too."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class Resources(Strict):
-    """What one actor reserves from Ray; `custom` names resources a node advertises (e.g. a pool)."""
-    num_cpus: NonNegativeFloat = Field(0.0, description="CPUs the actor reserves (fractions share a CPU)")
-    num_gpus: NonNegativeFloat = Field(0.0, description="GPUs the actor reserves (fractions share a GPU); "
-                                                        "> 0 also places its model on the GPU. On a cluster with "
-                                                        "GPUs the memory plan (`jointrl plan`) decides which GPU "
-                                                        "and the actor's share of it")
-    custom: dict[str, NonNegativeFloat] = Field({}, description="custom Ray resources by name, e.g. {pool: 0.01} "
-                                                                "to land only on nodes that advertise `pool`")
-
-    def options(self) -> dict:
-        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.custom)}
+from common.config import Strict
 
 
 class ParallelConfig(Strict):

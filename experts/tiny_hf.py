@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from common.tiny_tokenizer import byte_tokenizer
 from tasks.shapes import VOCAB
 
 CHAT_TOKENS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "<answer>", "</answer>"]
@@ -34,26 +35,8 @@ def word_tokenizer(extra: list[str], max_length: int | None = None):
                                    model_max_length=max_length or 512)
 
 
-def byte_tokenizer(special: list[str], max_length: int | None = None):
-    """A byte-level fast tokenizer (BPE over the 256 bytes, no merges) with `special` as whole
-    tokens (the first is padding): it reads and writes any UTF-8 text, so tiny models built with it
-    work on real prompt files, not only on the shapes words."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {t: i for i, t in enumerate(special)}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab, [], unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=special[0],
-                                        model_max_length=max_length or 512)
-    tokenizer.add_special_tokens({"additional_special_tokens": special[1:]})
-    return tokenizer
-
-
 def tiny_causal_lm(out: Path, seed: int = 0, text: str = "shapes") -> Path:
-    """`text`: "shapes" tokenizes the shapes words, "bytes" any text (experts/hub.py's `tiny:` models)."""
+    """`text`: "shapes" tokenizes the shapes words, "bytes" any text (common/hub.py's `tiny:` models)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tokenizer = word_tokenizer(CHAT_TOKENS) if text == "shapes" else \
         byte_tokenizer(["<pad>", "<|im_start|>", "<|im_end|>", "<answer>", "</answer>"])

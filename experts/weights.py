@@ -4,7 +4,9 @@ A version is the tensors `synced_state` names: a LoRA adapter's alone (the base 
 else every weight. They travel as {name: numpy array}, which the object store hands out zero-copy,
 and are fingerprinted and checkpointed in that form. numpy has no bfloat16, so a bfloat16 tensor
 travels as its raw 16-bit words (`travel_form`) and is viewed back as bfloat16 by the receiving
-model, which knows its own dtypes (`model_tensors`).
+model, which knows its own dtypes (`model_tensors`). A trainer keeps a low-precision model's
+trained parameters in fp32 (experts/precision.py), and a version travels as it keeps them, so that
+a snapshot restores it exactly; a rollout worker's copy, in the model's dtype, casts them on load.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import zlib
 
 import numpy as np
 import torch
+
+from experts.precision import kept_dtype
 
 
 def as_tensor(value) -> torch.Tensor:
@@ -72,19 +76,32 @@ def arrays_of(tensors: dict[str, torch.Tensor], private: bool = False) -> dict[s
 
 
 def model_tensors(model: torch.nn.Module, weights: dict, share: bool = False) -> dict[str, torch.Tensor]:
-    """Travelled `weights` as the tensors `model` holds (its dtypes and device). `share`: read them
-    in place (read-only views) where they already are what the model needs, else copies."""
+    """Travelled `weights` as the tensors `model` holds (its dtypes and device: a trainer's fp32
+    cast to a worker's bfloat16, rounded to nearest). `share`: read them in place (read-only
+    views) where they already are what the model needs, else copies."""
     own = synced_state(model)
     unknown = sorted(set(weights) - set(own))
     if unknown:
         raise ValueError(f"weights for {unknown[:3]}{'…' if len(unknown) > 3 else ''}, which the model does not have")
     out = {}
     for name, value in weights.items():
-        tensor = as_tensor(value) if share else as_tensor(value).clone()
+        tensor = as_tensor(value)
         if own[name].dtype == torch.bfloat16 and tensor.dtype == torch.int16:
             tensor = tensor.view(torch.bfloat16)
-        out[name] = tensor.to(own[name].device)
+        out[name] = tensor.to(own[name].device, own[name].dtype, copy=not share)  # one copy at most
     return out
+
+
+def travel_layout(model: torch.nn.Module) -> list[tuple[str, tuple, torch.dtype, torch.device]]:
+    """(name, shape, dtype, device) of each tensor of `model`'s version as its trainer sends it
+    (`travel_form` of its tensors as the trainer keeps them), in name order: what a copy of the
+    model in another process receives a broadcast into."""
+    kept = {name: kept_dtype(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    layout = []
+    for name, tensor in sorted(synced_state(model).items()):
+        dtype = kept.get(name, tensor.dtype)
+        layout.append((name, tuple(tensor.shape), torch.int16 if dtype == torch.bfloat16 else dtype, tensor.device))
+    return layout
 
 
 def load(model: torch.nn.Module, tensors: dict[str, torch.Tensor], assign: bool = False) -> None:

@@ -6,7 +6,7 @@ other words, so a drop from one to the other measures prompt overfitting.
 """
 from __future__ import annotations
 
-from experts.seeding import derive_seed
+from common.seeding import derive_seed
 from tasks.shapes import eval_set, paraphrase, prompt_set
 
 

@@ -101,3 +101,44 @@ def looks_like_a_picture(path, min_size=(300, 200)) -> None:
         assert im.size[0] >= min_size[0] and im.size[1] >= min_size[1], (path, im.size)
         pixels = np.asarray(im.convert("RGB"), dtype=np.float32)
     assert pixels.std() > 5.0, f"{path} is blank"
+
+
+def assert_same_rollout(a, b, tol: float = 1e-6) -> None:
+    """Two rollouts' outputs (experts/pipeline.py RolloutOutputs) agree: metadata, the generator's
+    trajectories and every refiner's token batch (floats to `tol`, images to one grey level)."""
+    from experts.trajectories import device_tensors
+
+    def close(x, y, what):
+        np.testing.assert_allclose(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), rtol=0, atol=tol,
+                                   equal_nan=True, err_msg=what)
+
+    for field in ("samples", "versions", "refinements"):
+        assert getattr(a.meta, field) == getattr(b.meta, field), field
+    np.testing.assert_array_equal(a.meta.valid, b.meta.valid)
+    assert a.meta.terms.keys() == b.meta.terms.keys() and a.meta.counterfactual.keys() == b.meta.counterfactual.keys()
+    for t in a.meta.terms:
+        close(a.meta.terms[t], b.meta.terms[t], f"reward term {t}")
+    for e, terms in a.meta.counterfactual.items():
+        for t in terms:
+            close(terms[t], b.meta.counterfactual[e][t], f"counterfactual {e} {t}")
+    assert (a.meta.images is None) == (b.meta.images is None)
+    if a.meta.images is not None:
+        assert np.abs(a.meta.images.astype(int) - b.meta.images).max() <= 1
+    x, y = a.trajectories, b.trajectories
+    for field in ("state_steps", "sigmas", "sde"):
+        np.testing.assert_array_equal(getattr(x, field), getattr(y, field), err_msg=field)
+    close(x.states, y.states, "states")
+    close(x.logps, y.logps, "log-probs")
+    assert x.dtypes == y.dtypes
+    for field in ("cond", "shared_cond"):
+        ours, theirs = device_tensors(getattr(x, field), x.dtypes), device_tensors(getattr(y, field), y.dtypes)
+        assert ours.keys() == theirs.keys() and all(v.shape == theirs[k].shape for k, v in ours.items()), field
+        for k, v in ours.items():
+            close(v.float(), theirs[k].float(), f"{field} {k}")
+    assert a.tokens.keys() == b.tokens.keys()
+    for e, batch in a.tokens.items():
+        assert batch["prompts"] == b.tokens[e]["prompts"], e
+        if batch["prompts"]:
+            np.testing.assert_array_equal(batch["tokens"], b.tokens[e]["tokens"])
+            np.testing.assert_array_equal(batch["mask"], b.tokens[e]["mask"])
+            close(batch["logps"], b.tokens[e]["logps"], f"{e} token log-probs")

@@ -2,15 +2,21 @@
 
 `jointrl_ode` samples with jointrl's sampler (algorithm/sde.py) and the family's velocity and
 front end, deterministically (every step an ODE step); a family's test runs its diffusers pipeline
-from the same initial latents, steps and guidance and compares latents and decoded images.
+from the same initial latents, steps and guidance, in float32 and in bfloat16, and compares the
+timestep the transformer is given at each step, the final latents and the decoded images
+(`assert_equals_pipeline` says what each dtype allows, and why).
 `assert_logps_are_normal` checks that each recorded SDE log-prob is torch.distributions.Normal's
 for the step's mean and std, averaged over all but the batch dimension (Flow-GRPO's convention).
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
 from algorithm.sde import _bcast, sample, sde_mean_std
+from common.loading import DTYPES
 from experts.frontend import build_frontend
 from experts.kinds import build_model
 from tasks.base import TextPrompt
@@ -46,13 +52,87 @@ def jointrl_ode(velocity, frontend, prompts: list[str], latents: torch.Tensor, s
     return states[:, -1], frontend.decode(states[:, -1])
 
 
-def sampled_by_jointrl(path: str, guidance: float, steps: int, *extra: str):
-    """(front end, initial latents, final latents, decoded images) of jointrl's deterministic
-    sampling of the pipeline at `path` with guidance `guidance`: what a family's test gives its
-    diffusers pipeline too."""
-    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}", *extra))
-    latents = initial_latents(frontend, len(PROMPTS))
-    return frontend, latents, *jointrl_ode(velocity, frontend, PROMPTS, latents, steps)
+@contextlib.contextmanager
+def timesteps_given(transformer):
+    """The timesteps `transformer` is called with inside the block, one (dtype, value) per step: a
+    call's batch shares one timestep, and the pipelines' two calls of a step under true guidance
+    (jointrl makes one) give the same."""
+    seen = []
+    original = transformer.forward
+
+    def forward(*args, **kwargs):
+        t = kwargs["timestep"]
+        assert torch.equal(t, t[:1].expand_as(t)), t
+        if not seen or seen[-1] != (t.dtype, float(t[0])):
+            seen.append((t.dtype, float(t[0])))
+        return original(*args, **kwargs)
+
+    transformer.forward = forward
+    try:
+        yield seen
+    finally:
+        del transformer.forward
+
+
+@dataclass
+class Sampled:
+    """jointrl's deterministic sampling of a family: the front end, the initial latents (on the
+    flow's grid), the final latents, the decoded images in [-1, 1] and the transformer's timesteps."""
+    frontend: object
+    latents: torch.Tensor
+    final: torch.Tensor
+    image: torch.Tensor
+    timesteps: list
+
+
+def sampled_by_jointrl(path: str, guidance: float, steps: int, *extra: str, dtype: str = "float32") -> Sampled:
+    """jointrl's deterministic sampling of the pipeline at `path` with guidance `guidance`, its
+    models in `dtype`: what a family's test gives its diffusers pipeline too. The initial latents
+    are representable in `dtype` (the pipeline casts the latents it is given to its dtype), so both
+    start from the same values."""
+    velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}",
+                                             f"experts.generator.model.dtype={dtype}", *extra))
+    latents = initial_latents(frontend, len(PROMPTS)).to(DTYPES[dtype]).float()
+    with timesteps_given(velocity.transformer) as timesteps:
+        final, image = jointrl_ode(velocity, frontend, PROMPTS, latents, steps)
+    return Sampled(frontend, latents, final, image, timesteps)
+
+
+def pipeline_sampled(pipe, latents: torch.Tensor, **call) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """(final latents as the pipeline returns them, its images in [0, 1], its transformer's
+    timesteps) of `pipe(latents=latents, **call)`."""
+    pipe.set_progress_bar_config(disable=True)
+    with timesteps_given(pipe.transformer) as timesteps:
+        final = pipe(latents=latents.clone(), output_type="latent", **call).images
+    pixels = pipe(latents=latents.clone(), output_type="pt", **call).images
+    return final, pixels, timesteps
+
+
+def differences(ours: Sampled, final: torch.Tensor, reference: torch.Tensor, pixels: torch.Tensor) -> tuple:
+    """(largest difference of the final latents relative to their scale, largest of the images in [0, 1])."""
+    latent = float((final.float() - reference.float()).abs().max() / reference.float().abs().max())
+    return latent, float(((ours.image + 1) / 2 - pixels.float()).abs().max())
+
+
+def assert_equals_pipeline(ours: Sampled, final: torch.Tensor, reference: torch.Tensor, pixels: torch.Tensor,
+                           timesteps: list, dtype: str, steps: int) -> None:
+    """jointrl's sampling (`ours`, with `final` its final latents in the pipeline's space) equals
+    the pipeline's (`reference` latents, `pixels`, `timesteps`).
+
+    The transformer is given the very timesteps the pipeline gives it, dtype and value, in either
+    dtype. In float32 the latents and images agree to 1e-5. In bfloat16 the pipeline keeps its
+    latents in the model's dtype between steps (rounding them by up to half a bf16 ulp, 2^-9 of
+    their size, each step) and combines the guidance's branches in bf16, while jointrl keeps
+    float32 states (the SDE's log-probs need them) and guides in float32; each later step carries
+    those roundings through the velocity. So the final latents may differ by 2^-8 of their scale
+    per step (two such roundings), and the images by 2^-4 of [0, 1]: both decode in bf16, whose
+    steps of a pixel value are 2^-9 to 2^-8, from latents that differ as above, and the decoder
+    carries the latents' differences on."""
+    assert timesteps and ours.timesteps == timesteps, (ours.timesteps, timesteps)
+    latent_tol, image_tol = (1e-5, 1e-5) if dtype == "float32" else (steps * 2 ** -8, 2 ** -4)
+    latent, image = differences(ours, final, reference, pixels)
+    assert latent <= latent_tol, f"final latents: largest difference {latent:.3g} of their scale"
+    assert image <= image_tol, f"decoded images: largest difference {image:.3g}"
 
 
 @torch.no_grad()

@@ -1,7 +1,8 @@
 """The FLUX.1 family against diffusers' `FluxPipeline` on tiny random models (`tiny:flux1`, dev-like:
 a guidance embedding and dynamic shifting; and a schnell-like one built here, with neither): the same
-initial latents, steps, embedded guidance and true_cfg_scale give the same latents and images; the
-SDE's log-probs are Normal's; the LoRA reference is the base; bfloat16 loads.
+initial latents, steps, embedded guidance and true_cfg_scale give the same timesteps, latents and
+images, in float32 and in bfloat16 (tests/family_check.py: `assert_equals_pipeline`); the SDE's
+log-probs are Normal's; the LoRA reference is the base; bfloat16 loads.
 
 What jointrl does differently, none of which changes the result: it batches true guidance's two
 branches in one forward pass (the pipeline makes two); its flow runs on the unpacked grid
@@ -13,36 +14,36 @@ single negative's embeddings would not batch with the latents.
 import pytest
 import torch
 
+from common.hub import local_model
+from common.loading import DTYPES
 from experts.flux1 import pack, unpack
-from experts.hub import local_model
-from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
-                                assert_lora_reference_is_base, family_config, parts, sampled_by_jointrl)
+from tests.family_check import (PROMPTS, assert_equals_pipeline, assert_loads_in_bfloat16, assert_logps_are_normal,
+                                assert_lora_reference_is_base, family_config, parts, pipeline_sampled,
+                                sampled_by_jointrl)
 
 STEPS = 4
 EMBEDDED_GUIDANCE = 3.5
 
 
-def assert_pipeline_equal(path: str, guidance: float) -> None:
+def assert_pipeline_equal(path: str, guidance: float, dtype: str = "float32") -> None:
     """jointrl's ODE sampling of the model at `path` with true guidance `guidance` gives the pipeline's
-    latents and images."""
+    timesteps, latents and images."""
     from diffusers import FluxPipeline
-    frontend, latents, ours, image = sampled_by_jointrl(path, guidance, STEPS,
-                                                        f"experts.generator.model.embedded_guidance={EMBEDDED_GUIDANCE}")
-    size = frontend.config.task.image_size
-    pipe = FluxPipeline.from_pretrained(path)
-    pipe.set_progress_bar_config(disable=True)
+    ours = sampled_by_jointrl(path, guidance, STEPS, f"experts.generator.model.embedded_guidance={EMBEDDED_GUIDANCE}",
+                              dtype=dtype)
+    size = ours.frontend.config.task.image_size
+    pipe = FluxPipeline.from_pretrained(path, torch_dtype=DTYPES[dtype])
     negative = {"negative_prompt": [""] * len(PROMPTS)} if guidance > 1 else {}
-    common = dict(prompt=PROMPTS, num_inference_steps=STEPS, guidance_scale=EMBEDDED_GUIDANCE,
-                  true_cfg_scale=guidance, max_sequence_length=16, height=size, width=size, **negative)
-    reference = pipe(latents=pack(latents), output_type="latent", **common).images
-    assert_close(ours, unpack(reference, *latents.shape[-2:]), 1e-5, "final latents")
-    pixels = pipe(latents=pack(latents), output_type="pt", **common).images  # [0, 1]
-    assert_close((image + 1) / 2, pixels, 1e-5, "decoded images")
+    final, pixels, timesteps = pipeline_sampled(pipe, pack(ours.latents), prompt=PROMPTS, num_inference_steps=STEPS,
+                                                guidance_scale=EMBEDDED_GUIDANCE, true_cfg_scale=guidance,
+                                                max_sequence_length=16, height=size, width=size, **negative)
+    assert_equals_pipeline(ours, ours.final, unpack(final, *ours.latents.shape[-2:]), pixels, timesteps, dtype, STEPS)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
-def test_flux1_dev_ode_sampling_equals_the_diffusers_pipeline(guidance):
-    assert_pipeline_equal(local_model("tiny:flux1"), guidance)
+def test_flux1_dev_ode_sampling_equals_the_diffusers_pipeline(guidance, dtype):
+    assert_pipeline_equal(local_model("tiny:flux1"), guidance, dtype)
 
 
 def test_flux1_schnell_ode_sampling_equals_the_diffusers_pipeline(tmp_path):

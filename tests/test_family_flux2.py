@@ -1,6 +1,7 @@
 """The FLUX.2 klein family against diffusers' `Flux2KleinPipeline` on a tiny random model
-(`tiny:flux2_klein`): the same initial latents, steps and guidance_scale give the same latents and
-images; the SDE's log-probs are Normal's; the LoRA reference is the base; bfloat16 loads; a
+(`tiny:flux2_klein`): the same initial latents, steps and guidance_scale give the same timesteps,
+latents and images, in float32 and in bfloat16 (tests/family_check.py: `assert_equals_pipeline`); the
+SDE's log-probs are Normal's; the LoRA reference is the base; bfloat16 loads; a
 step-distilled model refuses guidance, which its pipeline would ignore.
 
 What jointrl does differently, none of which changes the result: it batches the guidance's two
@@ -15,27 +16,27 @@ import shutil
 
 import pytest
 
-from experts.hub import local_model
-from tests.family_check import (PROMPTS, assert_close, assert_loads_in_bfloat16, assert_logps_are_normal,
-                                assert_lora_reference_is_base, family_config, parts, sampled_by_jointrl)
+from common.hub import local_model
+from common.loading import DTYPES
+from tests.family_check import (PROMPTS, assert_equals_pipeline, assert_loads_in_bfloat16, assert_logps_are_normal,
+                                assert_lora_reference_is_base, family_config, parts, pipeline_sampled,
+                                sampled_by_jointrl)
 
 STEPS = 4
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
-def test_flux2_klein_ode_sampling_equals_the_diffusers_pipeline(guidance):
+def test_flux2_klein_ode_sampling_equals_the_diffusers_pipeline(guidance, dtype):
     from diffusers import Flux2KleinPipeline
     path = local_model("tiny:flux2_klein")
-    frontend, latents, ours, image = sampled_by_jointrl(path, guidance, STEPS)
-    size = frontend.config.task.image_size
-    pipe = Flux2KleinPipeline.from_pretrained(path)
-    pipe.set_progress_bar_config(disable=True)
-    common = dict(prompt=PROMPTS, num_inference_steps=STEPS, guidance_scale=guidance, max_sequence_length=16,
-                  height=size, width=size)
-    reference = pipe(latents=latents.clone(), output_type="latent", **common).images
-    assert_close(frontend.vae_latents(ours), reference, 1e-5, "final latents")
-    pixels = pipe(latents=latents.clone(), output_type="pt", **common).images  # [0, 1]
-    assert_close((image + 1) / 2, pixels, 1e-5, "decoded images")
+    ours = sampled_by_jointrl(path, guidance, STEPS, dtype=dtype)
+    size = ours.frontend.config.task.image_size
+    pipe = Flux2KleinPipeline.from_pretrained(path, torch_dtype=DTYPES[dtype])
+    final, pixels, timesteps = pipeline_sampled(pipe, ours.latents, prompt=PROMPTS, num_inference_steps=STEPS,
+                                                guidance_scale=guidance, max_sequence_length=16, height=size,
+                                                width=size)
+    assert_equals_pipeline(ours, ours.frontend.vae_latents(ours.final), final, pixels, timesteps, dtype, STEPS)
 
 
 def test_flux2_klein_sde_log_probs_are_normal_log_densities():

@@ -3,8 +3,8 @@ and the SD3.5 preset's KL term is Flow-GRPO's on the same tensors."""
 import pytest
 import torch
 
+from common.hub import local_model
 from driver.config import resolve_config
-from experts.hub import local_model
 from tests.family_check import PROMPTS, family_config, parts
 
 PUBLISHED = {  # preset -> dotted key -> value (Flow-GRPO config/grpo.py; PromptRL's launch scripts)
@@ -71,6 +71,7 @@ def test_the_sd3_presets_kl_term_is_flow_grpos_on_the_same_tensors():
     trained timesteps of Flow-GRPO's per-timestep KL term."""
     from algorithm.losses import GeneratorObjective, generator_backward
     from algorithm.sde import sample
+    from experts.trajectories import split_shared
     from experts.weights import reference_of
     from tasks.base import TextPrompt
     preset = resolve_config("sd3").experts.generator
@@ -87,8 +88,9 @@ def test_the_sd3_presets_kl_term_is_flow_grpos_on_the_same_tensors():
     noise = torch.randn((len(PROMPTS), steps + 1, *frontend.latent_shape), generator=torch.Generator().manual_seed(2))
     states, logps = sample(lambda x, s: velocity(x, s, **cond), noise, sigmas, preset.noise_level,
                            torch.ones(steps, dtype=torch.bool))
-    batch = {"states": states, "logps": logps, "sigmas": sigmas, "sde": torch.ones(steps, dtype=torch.bool),
-             "cond": cond}
+    per_sample, shared = split_shared(cond)
+    batch = {"states": states, "state_steps": torch.arange(steps + 1), "logps": logps, "sigmas": sigmas,
+             "sde": torch.ones(steps, dtype=torch.bool), "cond": per_sample, "shared_cond": shared}
     reference = reference_of(velocity)
     _, stats = generator_backward(velocity, reference, batch, torch.zeros(len(PROMPTS)), GeneratorObjective(
         preset.noise_level, preset.clip_eps, preset.kl_beta, preset.kl_form, preset.train_final_step))

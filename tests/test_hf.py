@@ -17,7 +17,7 @@ from experts.hf_refiner import answer_of
 from experts.kinds import build_model
 from experts.weights import fingerprint, model_tensors, synced_state, to_arrays
 from tasks.shapes import prompt_set
-from tests.conftest import assert_same_training, looks_like_a_picture, make_config, run_training
+from tests.conftest import assert_same_rollout, assert_same_training, looks_like_a_picture, make_config, run_training
 
 STEPS = 3
 
@@ -95,15 +95,66 @@ def test_sd3_generator_log_probs_match_and_the_text_cache_hits(models):
     cfg = hf_config(models)
     worker, experts, items = worker_batch(cfg)
     meta, trajectories, _ = worker.run(0, items)
-    assert trajectories["sde"].tolist() == [True, True, False, False]
-    assert (trajectories["logps"][:, 2:] == 0).all() and (trajectories["logps"][:, :2] != 0).all()
-    assert set(trajectories["cond"]) == {"prompt_embeds", "pooled", "negative_prompt_embeds", "negative_pooled"}
+    assert trajectories.sde.tolist() == [True, True, False, False]
+    assert (trajectories.logps[:, 2:] == 0).all() and (trajectories.logps[:, :2] != 0).all()
+    assert trajectories.state_steps.tolist() == [0, 1, 2]  # x_t and x_{t+1} of the trained steps 0 and 1
+    assert set(trajectories.cond) == {"prompt_embeds", "pooled"}
+    assert {k: len(v) for k, v in trajectories.shared_cond.items()} == {"negative_prompt_embeds": 1,
+                                                                        "negative_pooled": 1}
     assert meta.cache_misses > 0
     again = worker.run(0, items).meta
     assert again.cache_misses == 0 and again.cache_hits > 0  # the same composed texts
     gen = experts["generator"]
     stats = gen.update(0, 0, np.zeros(len(items)), trajectories)
     assert abs(stats["ratio_mean"] - 1.0) < 1e-4  # the recorded log-probs are the policy's
+
+
+def test_an_sd3_share_rolled_out_in_chunks_equals_it_rolled_out_at_once(models):
+    """rollout.batch_size=3 over a share of 8 with HF refiners and a guided SD3 generator, under
+    counterfactual credit: the same refinements, images, rewards, states, log-probs and text
+    features (the empty prompt's once) as at once."""
+    items = worker_batch(hf_config(models))[2]
+    outputs = {size: RolloutWorker(hf_config(models, f"rollout.batch_size={size}", "algorithm.credit=counterfactual",
+                                             "logging.images_every=1"), 0).run(1, items)
+               for size in ("null", 3)}
+    assert_same_rollout(outputs[3], outputs["null"])
+
+
+def test_compact_trajectories_train_as_the_full_ones(models):
+    """A trajectory holds x_t and x_{t+1} of the trained steps only, the empty prompt's features once
+    and the text features in the encoders' dtype (bfloat16, travelling as raw words): the update
+    reads from it the loss, stats and gradient it reads from the full form of the same rollout
+    (every state, the empty prompt's features per sample, float32 features)."""
+    from experts.expert import Expert
+    cfg = hf_config(models, "experts.generator.model.dtype=bfloat16", "experts.generator.sample_steps=5",
+                    "experts.generator.sde_window=[1, 5]", "experts.generator.train_final_step=false",
+                    "experts.generator.kl_beta=0.1")
+    worker, items = RolloutWorker(cfg, 0), worker_batch(cfg)[2]
+    compact = worker.run(0, items).trajectories
+    assert compact.state_steps.tolist() == [1, 2, 3, 4]  # trained: 1, 2, 3 (the window's last is the final one)
+    assert compact.cond["prompt_embeds"].dtype == np.int16 and compact.dtypes["prompt_embeds"] == "bfloat16"
+    assert sorted(compact.shared_cond) == ["negative_pooled", "negative_prompt_embeds"]
+    assert all(len(v) == 1 for v in compact.shared_cond.values())
+    refinements, _ = worker.refine(0, items)
+    cond = worker.frontend.condition([s.prompt for s in items], refinements)
+    states, logps = worker.generate(cond, worker.noise(0, items), sde=True)
+    np.testing.assert_array_equal(compact.states, states[:, 1:5].numpy())
+    np.testing.assert_array_equal(compact.logps, logps.numpy())
+    full = {"states": states, "state_steps": torch.arange(6), "logps": logps, "sigmas": worker.sigmas, "sde": worker.sde,
+            "cond": {k: v.float().expand(len(items), *v.shape[1:]) for k, v in cond.items()}, "shared_cond": {}}
+    expert = Expert(cfg, "generator")
+    with torch.no_grad():  # an adapter that has moved: ratio and KL away from 1 and 0
+        for p in expert.trainable:
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.dtype))
+    adv = torch.linspace(-1, 1, len(items))
+    results = []
+    for batch in (expert.kind.merge(expert.model, [compact], torch.device("cpu")), full):
+        expert.optimizer.zero_grad(set_to_none=True)
+        loss, stats = expert.kind.backward(expert.model, expert.reference, batch, adv)
+        results.append((loss, stats, torch.cat([p.grad.flatten().float() for p in expert.trainable])))
+    (loss, stats, grads), (full_loss, full_stats, full_grads) = results
+    assert stats["kl"] > 0 and abs(stats["ratio_mean"] - 1) > 1e-4 and grads.abs().sum() > 0
+    assert loss == full_loss and stats == full_stats and torch.equal(grads, full_grads)
 
 
 def test_bfloat16_weights_travel_as_raw_words_and_arrive_bit_exact(models):

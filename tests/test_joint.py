@@ -125,9 +125,11 @@ def test_cli_trains_on_ray_and_writes_the_contract(tmp_path, capsys):
     required = ["step", "n_experts", "credit", "reward/total", "ppo/ratio_mean", "text_encoder/cache_hit_rate",
                 "time/step_s", "time/sync_s", "version/text_encoder"]
     required += [f"reward/{t}" for t in ("image", "fidelity", "style", "format")]
-    required += [f"{p}/{e}" for e in ids for p in ("version", "loss", "kl")] + [f"reward/{e}" for e in ids[:3]]
+    required += [f"{p}/{e}" for e in ids for p in ("version", "loss", "kl", "ppo/ratio_mean")]
+    required += [f"reward/{e}" for e in ids[:3]]
     for r in rows:
         assert not set(required) - set(r), set(required) - set(r)
+    assert all(abs(rows[0][f"ppo/ratio_mean/{e}"] - 1.0) < 1e-4 for e in ids)  # the first update is on-policy
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["trainer"]["steps"] == 2 and saved["trainer"]["run_name"] == "cli"
     ckpt = run_dir / "checkpoints" / "step_000002"

@@ -1,13 +1,20 @@
-"""The core (algorithm/, experts/, tasks/) is plain Python: it never imports the Ray shell
-(cluster/), the driver, or Ray itself, so it can be read, tested and reused without them."""
+"""The core (common/, algorithm/, experts/, tasks/) is plain Python: it never imports the Ray shell
+(cluster/), the driver, or Ray itself, so it can be read, tested and reused without them. Inside
+it, common/ is the floor (it imports no other package of the project), and tasks/ and algorithm/
+borrow nothing from experts/."""
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ("algorithm", "experts", "tasks")
+CORE = ("common", "algorithm", "experts", "tasks")
 SHELL = ("cluster", "driver", "ray")
+BELOW = {  # a core package -> the project's packages it must not import (beside the shell)
+    "common": ("algorithm", "experts", "tasks"),
+    "algorithm": ("experts",),
+    "tasks": ("experts",),
+}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -26,6 +33,14 @@ def test_core_files_import_nothing_from_the_shell():
     assert len(files) > 20
     offending = {f"{p.relative_to(ROOT)}: {m}" for p in files for m in imported_modules(p)
                  if m.split(".")[0] in SHELL}
+    assert not offending, sorted(offending)
+
+
+def test_the_floor_and_the_tasks_and_maths_import_no_package_above_them():
+    assert all(len(list((ROOT / package).rglob("*.py"))) > 3 for package in BELOW)
+    offending = {f"{p.relative_to(ROOT)}: {m}" for package, above in BELOW.items()
+                 for p in sorted((ROOT / package).rglob("*.py")) for m in imported_modules(p)
+                 if m.split(".")[0] in above}
     assert not offending, sorted(offending)
 
 

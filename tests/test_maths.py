@@ -33,13 +33,14 @@ def test_sde_logprob_equals_torch_normal():
 
 def _trajectories(n=4, steps=4, window=None):
     prompts = prompt_set(n, seed=1)
-    encoder = CachedEncoder(build_text_encoder(CFG))
+    encoder = CachedEncoder(build_text_encoder(CFG), max_bytes=0)
     text, pad = encoder([(BOS, *p.ids) for p in prompts])
     dit = build_model(CFG, "generator")
     noise = torch.randn(n, steps + 1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
     sigmas, sde = sigma_schedule(steps), sde_steps(steps, window)
     states, logps = sample(lambda x, s: dit(x, s, text, pad), noise, sigmas, 0.7, sde)
-    return dit, {"states": states, "logps": logps, "sigmas": sigmas, "sde": sde, "cond": {"text": text, "text_pad": pad}}
+    return dit, {"states": states, "state_steps": torch.arange(steps + 1), "logps": logps, "sigmas": sigmas, "sde": sde,
+                 "cond": {"text": text, "text_pad": pad}, "shared_cond": {}}
 
 
 def test_an_sde_window_records_and_trains_only_its_steps():

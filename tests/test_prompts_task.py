@@ -86,7 +86,7 @@ def test_a_flow_grpo_ocr_prompt_file_trains_and_evaluates_as_it_is(tmp_path):
     run_dir = tmp_path / "ocr"
     rows = train(run_dir, "cluster.mode=inline", "trainer.steps=2", f"task.train={tmp_path / 'ocr-tiny-train.txt'}",
                  f"task.eval={tmp_path / 'ocr-tiny-eval.txt'}",
-                 'reward.terms={ocr: {fn: ocr, model: "tiny:trocr"}, faithful: {fn: faithful, weight: 0.5}}',
+                 'reward.terms={ocr: {fn: ocr, threads: 1}, faithful: {fn: faithful, weight: 0.5}}',  # PP-OCRv4
                  "experts.refiner_0.owns=[faithful]", "experts.refiner_1.owns=[faithful]")
     assert all(r["reward/ocr"] is not None for r in rows)
     assert cli.main(["eval", "--run", str(run_dir)]) == 0

@@ -42,7 +42,7 @@ def test_format_length_and_faithful_by_hand():
 def test_faithful_with_a_text_model_is_the_cosine_of_its_embeddings():
     from transformers import AutoTokenizer, CLIPModel
 
-    from experts.hub import local_model
+    from common.hub import local_model
     faithful = Faithful(FaithfulOptions(model="tiny:clip"), torch.device("cpu"))
     prompts = [TextPrompt("a quiet lake at dawn"), TextPrompt("a red bicycle"), GENEVAL]
     refs = [ref("a calm lake, sunrise, mist"), ref("bicycle"), ref("two dogs")]
@@ -136,3 +136,20 @@ def test_prompts_are_drawn_epoch_by_epoch():
         assert sorted(drawn[epoch * n:(epoch + 1) * n]) == list(range(n))  # each prompt once per epoch
     assert drawn[:n] != list(range(n)) and drawn[:n] != drawn[n:2 * n]   # shuffled, anew each epoch
     assert step_prompts(n, 5, 7, per_step) == drawn[15:18]                # a step's prompts need no history
+
+
+def test_preflight_names_the_readers_package_and_missing_model_files(monkeypatch):
+    """The packages checked are those the term's options import (the ocr extra for PP-OCRv4, hf for
+    TrOCR), and an ONNX file named by an option must exist: a config error naming the key."""
+    import importlib.util
+
+    from driver import preflight
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "rapidocr_onnxruntime" else find_spec(name, *a))
+    assert preflight.term_problems("reward.terms.ocr", TermConfig(fn="ocr")) == [
+        "reward.terms.ocr.fn: ocr needs ['rapidocr_onnxruntime']: pip install 'jointrl[ocr]'"]
+    assert preflight.term_problems("reward.terms.ocr", TermConfig(fn="ocr", reader="trocr", model="tiny:trocr")) == []
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert preflight.term_problems("reward.terms.ocr", TermConfig(fn="ocr", rec_model="no/such/rec.onnx")) == [
+        "reward.terms.ocr.rec_model: no file at 'no/such/rec.onnx'"]

@@ -1,7 +1,7 @@
 """The CLIP-based reward terms (`clip_score`, `pickscore`, `aesthetic`) on tiny random models: their
 contract (shape, determinism, batching, one forward per batch) and their formulas against the
-references computed here by hand (CLIP cosine, PickScore's `logit_scale.exp() * cos`, the LAION
-aesthetic MLP)."""
+references computed here by hand (CLIP cosine, torchmetrics' CLIPScore 100 * max(cos, 0),
+PickScore's `logit_scale.exp() * cos`, the LAION aesthetic MLP)."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoProcessor, CLIPModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from experts.hub import local_model
+from common.hub import local_model
 from tasks.base import TextPrompt
 from tasks.rewards import resolve
 from tasks.rewards.aesthetic import HEAD_FILE
@@ -105,6 +105,25 @@ def test_clip_score_is_the_cosine(images):
     np.testing.assert_allclose(score(make("clip_score", batch_size=2), images), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_clipscore_scale_is_torchmetrics_clip_score_of_each_pair(images, monkeypatch):
+    """torchmetrics' `clip_score(image, text)` of one pair is max(100 * cos, 0) (it clamps a batch's
+    mean; of one pair, the pair's score), on embeddings whose cosines are known: 0.8, -0.6, 1, 0.
+    (The random tiny CLIP gives every pair here a negative cosine, so fixed embeddings it is.)"""
+    scorer = make("clip_score", scale="clipscore")
+    image = torch.tensor([[3.0, 4.0, 0.0], [3.0, 4.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
+    text = torch.tensor([[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0], [2.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    monkeypatch.setattr(scorer.clip.model, "get_image_features",
+                        lambda **kw: BaseModelOutputWithPooling(pooler_output=image))
+    monkeypatch.setattr(scorer.clip.model, "get_text_features", lambda **kw: text)
+    np.testing.assert_allclose(score(scorer, images[:4], TEXTS[:4]), [80.0, 0.0, 100.0, 0.0], atol=1e-5)
+    cosine = make("clip_score")
+    monkeypatch.setattr(cosine.clip.model, "get_image_features", lambda **kw: image)
+    monkeypatch.setattr(cosine.clip.model, "get_text_features", lambda **kw: text)
+    np.testing.assert_allclose(score(cosine, images[:4], TEXTS[:4]), [0.8, -0.6, 1.0, 0.0], atol=1e-7)
+    with pytest.raises(ValueError, match="cosine"):
+        resolve("clip_score").Options(scale="percent")
+
+
 @pytest.mark.parametrize("scale", [None, 1.0])
 def test_pickscore_formula_on_fixed_embeddings(scale, images, monkeypatch):
     scorer = make("pickscore", **({} if scale is None else {"scale": scale}))
@@ -120,9 +139,17 @@ def test_pickscore_formula_on_fixed_embeddings(scale, images, monkeypatch):
 
 
 def test_pickscore_processor_option():
+    from common.hub import ModelRef
+    from tasks.rewards.clip import PICKSCORE_PROCESSOR
     cls = resolve("pickscore")
-    assert cls(cls.Options(model="tiny:clip"), CPU).processor_name == "tiny:clip"
+    assert cls(cls.Options(model="tiny:clip"), CPU).clip.processor is not None
+    assert cls.processor_of(cls.Options(model="tiny:clip")) == "tiny:clip"
     assert cls.Options().processor is None and cls.default_model == "yuvalkirstain/PickScore_v1"
+    # what `jointrl download` fetches: the model at its revision, another repo's processor without weights
+    assert cls.models(cls.Options()) == [ModelRef("yuvalkirstain/PickScore_v1"),
+                                         ModelRef(PICKSCORE_PROCESSOR, weights=False)]
+    assert cls.models(cls.Options(model="org/pick", revision="abc", processor="org/pick")) == \
+        [ModelRef("org/pick", "abc")]
     with pytest.raises(ValueError):
         cls.Options(scale=0)
 

@@ -1,5 +1,7 @@
-"""The `geneval` reward: GenEval's clause logic on hand-made detections (no model), then the real
-loading, batching and post-processing code on tiny random OWLv2 / Grounding DINO and CLIP models."""
+"""The `geneval` reward: GenEval's clause logic on hand-made detections (no model), both partial
+credits and the strict score against transcriptions of GenEval's `evaluate` and Flow-GRPO's
+`evaluate_reward` on thousands of random detection sets, then the real loading, batching and
+post-processing code on tiny random OWLv2 / Grounding DINO and CLIP models."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +10,9 @@ import torch
 
 from tasks.prompt_data import DataPrompt
 from tasks.rewards.base import RewardModel
-from tasks.rewards.detectors import Detection, grounding_detections, owl_detections, select
-from tasks.rewards.geneval import GenEval, GenEvalOptions, checked, clauses, relative_position, to_colour
+from tasks.rewards.detectors import Detection, grounding_detections, owl_detections, ranked, select
+from tasks.rewards.geneval import (GenEval, GenEvalOptions, checked, clauses, flow_grpo_credit, relative_position,
+                                  to_colour)
 
 # one prompt per tag, as in GenEval's prompts/evaluation_metadata.jsonl (github djghosh13/geneval at af4902f)
 GENEVAL = {
@@ -142,27 +145,37 @@ def test_prompts_without_geneval_metadata_are_refused_by_name():
 
 class FakeDetector:
     """Returns the detections given for each prompt's classes, whatever the image."""
-    def __init__(self, found: dict[tuple[str, ...], list[Detection]]):
-        self.found, self.calls = found, []
+    def __init__(self, found: dict[tuple[str, ...], list[Detection]], kind: str = "owlv2"):
+        self.found, self.calls, self.kind = found, [], kind
 
     def __call__(self, images, queries):
         self.calls.append(len(images))
         return [self.found[tuple(q)] for q in queries]
 
 
+def fake_geneval(detector: FakeDetector, colours: dict[str, str], **options) -> tuple[GenEval, list]:
+    """A GenEval scorer without models: `detector` finds, `colours` names each label's colour; the
+    second value lists the labels each colour pass was asked about."""
+    scorer = GenEval.__new__(GenEval)
+    RewardModel.__init__(scorer, GenEvalOptions(**options), CPU)
+    scorer.detector, asked = detector, []
+    def colour_pass(crops, labels):
+        asked.append(list(labels))
+        return [colours[o] for o in labels]
+    scorer.colours = colour_pass
+    return scorer, asked
+
+
+COUNTING_FOUND = {("clock",): [det("clock", 0, score=0.95), det("clock", 30, score=0.95), det("clock", 60, score=0.5)],
+                  ("fire hydrant",): [det("fire hydrant", 2)],
+                  ("wine glass", "apple"): [det("wine glass", 0), det("apple", 30)]}
+COLOURS = {"fire hydrant": "blue", "wine glass": "purple", "apple": "red"}
+
+
 def test_partial_credit_is_the_fraction_and_strict_is_all():
     """The reward's wiring without models: the per-tag threshold, the crops sent to CLIP in one
     pass, the mean and the all of the verdicts."""
-    scorer = GenEval.__new__(GenEval)
-    RewardModel.__init__(scorer, GenEvalOptions(batch_size=2), CPU)
-    clocks = [det("clock", 0, score=0.95), det("clock", 30, score=0.95), det("clock", 60, score=0.5)]
-    scorer.detector = FakeDetector({("clock",): clocks, ("fire hydrant",): [det("fire hydrant", 2)],
-                                    ("wine glass", "apple"): [det("wine glass", 0), det("apple", 30)]})
-    asked = []
-    def colours(crops, labels):
-        asked.append(list(labels))
-        return [{"fire hydrant": "blue", "wine glass": "purple", "apple": "red"}[o] for o in labels]
-    scorer.colours = colours
+    scorer, asked = fake_geneval(FakeDetector(COUNTING_FOUND), COLOURS, batch_size=2)
     prompts = [DataPrompt("two clocks", GENEVAL["counting"]), DataPrompt("a blue fire hydrant", GENEVAL["colors"]),
                DataPrompt("a purple wine glass and a black apple", GENEVAL["color_attr"])]
     images = np.zeros((3, 3, 32, 32), np.float32)
@@ -172,6 +185,243 @@ def test_partial_credit_is_the_fraction_and_strict_is_all():
     assert scorer.detector.calls == [2, 1, 2, 1] and asked == [["fire hydrant", "wine glass", "apple"]] * 2
     counting_low = {**GENEVAL["counting"], "tag": "two_object"}  # the plain threshold (0.3): three clocks
     assert scorer.verdicts(images[:1], [DataPrompt("two clocks", counting_low)]) == [[True, False]]
+    flow, _ = fake_geneval(FakeDetector(COUNTING_FOUND), COLOURS, partial="flow_grpo")
+    # counting exact: 1; colour right: (1 + 1) / 2; the apple is red, not black: (1 + 1 + 1 + 0) / 4
+    np.testing.assert_allclose(flow(images, prompts, [{}] * 3), [1.0, 1.0, 3 / 4])
+    np.testing.assert_array_equal(flow.strict(images, prompts, [{}] * 3), [1.0, 1.0, 0.0])
+    assert flow(images[:1], [DataPrompt("two clocks", counting_low)], [{}])[0] == 0.5  # three found: 1 - 1/2
+
+
+def test_thresholds_are_the_detectors_own():
+    clocks = [det("clock", 40 * i, score=s) for i, s in enumerate((0.95, 0.7, 0.5))]
+    prompt = [DataPrompt("two clocks", GENEVAL["counting"])]
+    images = np.zeros((1, 3, 32, 32), np.float32)
+    thresholds = {"owlv2": {"counting": 0.6}, "grounding_dino": {"counting": 0.4}}
+    owl, _ = fake_geneval(FakeDetector({("clock",): clocks}, "owlv2"), {}, thresholds=thresholds)
+    dino, _ = fake_geneval(FakeDetector({("clock",): clocks}, "grounding_dino"), {}, thresholds=thresholds)
+    assert owl.verdicts(images, prompt) == [[True, True]]     # two above 0.6
+    assert dino.verdicts(images, prompt) == [[True, False]]   # three above 0.4
+    assert GenEvalOptions(thresholds={"owlv2": {"score": 0.2}}).thresholds.grounding_dino.score == 0.3
+    with pytest.raises(ValueError, match="counting"):
+        GenEvalOptions(thresholds={"owlv2": {"counting": 1.5}})
+    with pytest.raises(ValueError, match="mask2former"):
+        GenEvalOptions(thresholds={"mask2former": {"score": 0.3}})
+
+
+# --- Flow-GRPO's partial credit ------------------------------------------------------------------ #
+
+@pytest.mark.parametrize("found, expected", [(0, 0.0), (1, 0.5), (2, 1.0), (3, 0.5), (4, 0.0), (5, -0.5)])
+def test_flow_grpo_wants_the_exact_count(found, expected):
+    clocks = [det("clock", 20 * i, score=0.9 - 0.01 * i) for i in range(found)]
+    assert flow_grpo_credit(GENEVAL["counting"], clocks, no_colour) == expected
+    assert np.mean(clauses(GENEVAL["counting"], clocks, no_colour)) == (1.0 if found == 2 else 0.5)
+
+
+def test_flow_grpo_colour_and_position_entries():
+    m = {"include": [{"class": "cat", "count": 1},
+                     {"class": "dog", "count": 2, "color": "red", "position": ["right of", 0]}]}
+    cat, right, left = det("cat", 0), [det("dog", 30, score=0.9), det("dog", 60, score=0.8)], det("dog", -30, score=0.8)
+    red = lambda d: "red"
+    assert flow_grpo_credit(m, [cat, *right], red) == 1.0                       # [1] + [1, 1, 1]
+    half = lambda d: "red" if d.score > 0.85 else "blue"
+    assert flow_grpo_credit(m, [cat, *right], half) == (1 + 1 + 0.5) / 3          # colour 1/2; position not read
+    assert flow_grpo_credit(m, [cat, right[0], left], red) == (1 + 1 + 1 + 0 + 1) / 5  # a relation fails: 0, then 1
+    assert flow_grpo_credit(m, [right[0], left], red) == (0 + 1 + 1 + 0) / 4      # no cat: the target failed, 0
+    assert flow_grpo_credit(m, [cat, right[0]], red) == (1 + 0.5 + 0) / 3         # one dog of two: one 0 for both
+    with_exclude = {**m, "exclude": [{"class": "cat", "count": 1}]}
+    assert flow_grpo_credit(with_exclude, [cat, *right], red) == 1.0                # excludes are not read
+
+
+# --- against the references, transcribed ---------------------------------------------------------- #
+# Written from github djghosh13/geneval at af4902f `evaluation/evaluate_images.py` (`compute_iou`,
+# `relative_position`, `evaluate`, the box selection in `evaluate_image`) and github
+# yifan123/reward-server at 92ac29f `reward_server/gen_eval.py` (`evaluate_reward`), on their data:
+# per class a list of (bbox [x0, y0, x1, y1, score], mask) most confident first, `colour_of(bbox)`
+# standing in for the CLIP colour classification of those boxes.
+
+def ref_iou(box_a, box_b):
+    area_fn = lambda box: max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
+    i_area = area_fn([max(box_a[0], box_b[0]), max(box_a[1], box_b[1]),
+                      min(box_a[2], box_b[2]), min(box_a[3], box_b[3])])
+    u_area = area_fn(box_a) + area_fn(box_b) - i_area
+    return i_area / u_area if u_area else 0
+
+
+def ref_relative_position(obj_a, obj_b, position_threshold):
+    boxes = np.array([obj_a[0], obj_b[0]])[:, :4].reshape(2, 2, 2)
+    center_a, center_b = boxes.mean(axis=-2)
+    dim_a, dim_b = np.abs(np.diff(boxes, axis=-2))[..., 0, :]
+    offset = center_a - center_b
+    revised_offset = np.maximum(np.abs(offset) - position_threshold * (dim_a + dim_b), 0) * np.sign(offset)
+    if np.all(np.abs(revised_offset) < 1e-3):
+        return set()
+    dx, dy = revised_offset / np.linalg.norm(offset)
+    relations = set()
+    if dx < -0.5: relations.add("left of")
+    if dx > 0.5: relations.add("right of")
+    if dy < -0.5: relations.add("above")
+    if dy > 0.5: relations.add("below")
+    return relations
+
+
+def ref_select(bbox, metadata, threshold, counting_threshold, max_objects, nms_threshold):
+    """`evaluate_image`'s box selection: `bbox` is per class an (n, 5) array."""
+    detected = {}
+    confidence_threshold = threshold if metadata["tag"] != "counting" else counting_threshold
+    for classname, boxes in bbox.items():
+        ordering = np.argsort(boxes[:, 4])[::-1]
+        ordering = ordering[boxes[ordering, 4] > confidence_threshold]
+        ordering = ordering[:max_objects].tolist()
+        detected[classname] = []
+        while ordering:
+            max_obj = ordering.pop(0)
+            detected[classname].append((boxes[max_obj], None))
+            ordering = [obj for obj in ordering
+                        if nms_threshold == 1 or ref_iou(boxes[max_obj], boxes[obj]) < nms_threshold]
+        if not detected[classname]:
+            del detected[classname]
+    return detected
+
+
+def ref_evaluate(objects, metadata, colour_of, position_threshold):
+    """GenEval's `evaluate`: (correct, reasons)."""
+    correct, reason, matched_groups = True, [], []
+    for req in metadata.get("include", []):
+        classname = req["class"]
+        matched = True
+        found_objects = objects.get(classname, [])[:req["count"]]
+        if len(found_objects) < req["count"]:
+            correct = matched = False
+            reason.append("count")
+        else:
+            if "color" in req:
+                colors = [colour_of(box) for box, _ in found_objects]
+                if colors.count(req["color"]) < req["count"]:
+                    correct = matched = False
+                    reason.append("colour")
+            if "position" in req and matched:
+                expected_rel, target_group = req["position"]
+                if matched_groups[target_group] is None:
+                    correct = matched = False
+                    reason.append("no target")
+                else:
+                    for obj in found_objects:
+                        for target_obj in matched_groups[target_group]:
+                            if expected_rel not in ref_relative_position(obj, target_obj, position_threshold):
+                                correct = matched = False
+                                reason.append("relation")
+                                break
+                        if not matched:
+                            break
+        matched_groups.append(found_objects if matched else None)
+    for req in metadata.get("exclude", []):
+        if len(objects.get(req["class"], [])) >= req["count"]:
+            correct = False
+            reason.append("exclude")
+    return correct, reason
+
+
+def ref_evaluate_reward(objects, metadata, colour_of, position_threshold):
+    """reward-server's `evaluate_reward`: (strict correct, score, reasons)."""
+    correct, reason, rewards, matched_groups = True, [], [], []
+    for req in metadata.get("include", []):
+        classname = req["class"]
+        matched = True
+        found_objects = objects.get(classname, [])
+        rewards.append(1 - abs(req["count"] - len(found_objects)) / req["count"])
+        if len(found_objects) != req["count"]:
+            correct = matched = False
+            reason.append("count")
+            if "color" in req or "position" in req:
+                rewards.append(0.0)
+        else:
+            if "color" in req:
+                colors = [colour_of(box) for box, _ in found_objects]
+                rewards.append(1 - abs(req["count"] - colors.count(req["color"])) / req["count"])
+                if colors.count(req["color"]) != req["count"]:
+                    correct = matched = False
+                    reason.append("colour")
+            if "position" in req and matched:
+                expected_rel, target_group = req["position"]
+                if matched_groups[target_group] is None:
+                    correct = matched = False
+                    reason.append("no target")
+                    rewards.append(0.0)
+                else:
+                    for obj in found_objects:
+                        for target_obj in matched_groups[target_group]:
+                            if expected_rel not in ref_relative_position(obj, target_obj, position_threshold):
+                                correct = matched = False
+                                reason.append("relation")
+                                rewards.append(0.0)
+                                break
+                        if not matched:
+                            break
+                    rewards.append(1.0)
+        matched_groups.append(found_objects if matched else None)
+    reward = sum(rewards) / len(rewards) if rewards else 0
+    return correct, reward, reason
+
+
+CLASSES = ("cat", "dog", "clock")  # few, so that clauses, excludes and detections often share a class
+SOME_COLOURS = ("red", "blue")
+
+
+def random_case(rng):
+    """A random GenEval prompt (1-3 include clauses, colours, positions, 0-2 excludes), random
+    detections of its classes and others (coarse boxes and scores, so ties and overlaps happen), a
+    colour for each, and random selection settings."""
+    include = []
+    for i in range(rng.integers(1, 4)):
+        req = {"class": str(rng.choice(CLASSES)), "count": int(rng.integers(1, 4))}
+        if rng.random() < 0.4:
+            req["color"] = str(rng.choice(SOME_COLOURS))
+        if i and rng.random() < 0.5:
+            req["position"] = [str(rng.choice(["left of", "right of", "above", "below"])), int(rng.integers(0, i))]
+        include.append(req)
+    exclude = [{"class": str(rng.choice(CLASSES)), "count": int(rng.integers(1, 5))} for _ in range(rng.integers(0, 3))]
+    metadata = {"tag": str(rng.choice(["counting", "two_object", "position"])), "include": include, "exclude": exclude}
+    detections = []
+    for label in (*CLASSES, "bench"):
+        for _ in range(rng.integers(0, 6)):
+            x0, y0 = rng.integers(0, 12, 2) * 8
+            w, h = rng.integers(1, 6, 2) * 8
+            detections.append(Detection(label, float(rng.integers(1, 20)) / 20 + float(rng.random()) * 1e-3,
+                                        (float(x0), float(y0), float(x0 + w), float(y0 + h))))
+    colours = {(d.label, d.score, d.box): str(rng.choice(SOME_COLOURS)) for d in detections}
+    settings = dict(threshold=float(rng.choice([0.1, 0.3])), counting_threshold=float(rng.choice([0.5, 0.9])),
+                    max_objects=int(rng.choice([2, 16])), max_overlap=float(rng.choice([0.3, 0.6, 1.0])),
+                    margin=float(rng.choice([0.0, 0.1, 0.3])))
+    return metadata, detections, colours, settings
+
+
+def test_strict_and_flow_grpo_agree_with_the_references_on_random_detections():
+    rng = np.random.default_rng(0)
+    seen, credits, strict = set(), [], []
+    for _ in range(3000):
+        m, detections, colours, s = random_case(rng)
+        threshold = s["counting_threshold"] if m["tag"] == "counting" else s["threshold"]
+        kept = select(detections, threshold, s["max_objects"], s["max_overlap"])
+        colour_of = lambda d: colours[(d.label, d.score, d.box)]
+        bbox = {label: np.array([[*d.box, d.score] for d in detections if d.label == label]).reshape(-1, 5)
+                for label in dict.fromkeys(d.label for d in detections)}
+        objects = ref_select(bbox, m, s["threshold"], s["counting_threshold"], s["max_objects"], s["max_overlap"])
+        ref_colour = lambda box: colours[next((d.label, d.score, d.box) for d in detections
+                                              if d.box == tuple(box[:4]) and d.score == box[4])]
+        correct, reasons = ref_evaluate(objects, m, ref_colour, s["margin"])
+        _, reward, reward_reasons = ref_evaluate_reward(objects, m, ref_colour, s["margin"])
+        assert {label: [d.box for d in ds] for label, ds in ranked(kept).items()} == \
+            {label: [tuple(b[:4]) for b, _ in objs] for label, objs in objects.items()}
+        assert all(clauses(m, kept, colour_of, s["margin"])) == correct, (m, kept)
+        credit = flow_grpo_credit(m, kept, colour_of, s["margin"])
+        assert credit == pytest.approx(reward, abs=1e-12), (m, kept)
+        seen |= {f"strict {r}" for r in reasons} | {f"flow_grpo {r}" for r in reward_reasons}
+        credits.append(credit)
+        strict.append(correct)
+    # every branch of both references was taken, and the credit ran over its whole range
+    assert seen == {f"{ref} {r}" for ref in ("strict", "flow_grpo") for r in ("count", "colour", "no target", "relation")} \
+        | {"strict exclude"}
+    assert min(credits) < 0 and 0.02 < np.mean(np.array(credits) == 1) < 0.5 and 0.02 < np.mean(strict) < 0.5
 
 
 # --- the tiny models ------------------------------------------------------------------------------ #
@@ -214,6 +464,15 @@ def test_the_tiny_detectors_score_a_batch_as_one_by_one(scorer, request):
     strict = scorer.strict(images, prompts, [{}] * len(prompts))
     assert set(strict) <= {0.0, 1.0} and np.all(strict <= scores) and np.all((strict == 1) == (scores == 1))
     assert len(set(scores.tolist())) > 1  # the verdicts depend on the image and the prompt
+    options = scorer.options
+    try:
+        scorer.options = options.model_copy(update={"partial": "flow_grpo"})
+        flow = scorer(images, prompts, [{}] * len(prompts))
+        alone = [scorer(images[i:i + 1], prompts[i:i + 1], [{}])[0] for i in range(len(prompts))]
+    finally:
+        scorer.options = options
+    np.testing.assert_allclose(flow, alone, atol=1e-6)
+    assert np.all(flow <= 1) and not np.allclose(flow, scores)  # random boxes: counts far from exact, credit < 0
 
 
 def test_a_detector_of_the_wrong_kind_is_refused(owl):

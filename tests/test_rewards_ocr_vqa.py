@@ -1,7 +1,8 @@
 """The `ocr` and `vqa_score` reward terms: their formulas against the references, re-implemented here
-from the sources (Flow-GRPO's `flow_grpo/ocr.py`, VQAScore's P("Yes")), and the scorers on tiny random
-TrOCR and Qwen2-VL models: shape, range, determinism, batching, and the VLM's inputs against
-`Qwen2VLProcessor`'s own."""
+from the sources (Flow-GRPO's `flow_grpo/ocr.py`, VQAScore's P("Yes")); the OCR term on real weights
+(PP-OCRv4, shipped in the rapidocr-onnxruntime wheel) reading phrases rendered with PIL; and the
+scorers on tiny random TrOCR, Qwen2-VL and Qwen2.5-VL models: shape, range, determinism, batching,
+and the VLM's inputs against the models' own processors."""
 from __future__ import annotations
 
 import functools
@@ -13,14 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from experts.hub import local_model
+from common.hub import local_model
 from tasks.base import TextPrompt
 from tasks.rewards import resolve
 from tasks.rewards.base import pil_images
 from tasks.rewards.ocr import ocr_reward, quoted
 from tasks.rewards.tiny.ocr import tiny_trocr
-from tasks.rewards.tiny.vqa import tiny_qwen2_vl
+from tasks.rewards.tiny.vqa import tiny_qwen2_5_vl, tiny_qwen2_vl
 from tasks.rewards.vqa import VQAScoreOptions, yes_probability
+from tests.rendered_text import LAYOUTS, PHRASES, SIDE, rendered
 
 CPU = torch.device("cpu")
 TEXTS = ["a red circle", "two blue squares left of a cat on a long wooden bench", "ünïcode ☃", "x"]
@@ -28,7 +30,8 @@ TEXTS = ["a red circle", "two blue squares left of a cat on a long wooden bench"
 
 def make(name: str, **options):
     cls = resolve(name)
-    return cls(cls.Options(model={"ocr": "tiny:trocr", "vqa_score": "tiny:qwen2_vl"}[name], **options), CPU)
+    defaults = {"ocr": {"reader": "trocr", "model": "tiny:trocr"}, "vqa_score": {"model": "tiny:qwen2_vl"}}[name]
+    return cls(cls.Options(**{**defaults, **options}), CPU)
 
 
 def score(scorer, images, texts):
@@ -119,13 +122,67 @@ def test_question_needs_the_prompt():
 
 # --- the tiny models -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("builder", [tiny_trocr, tiny_qwen2_vl])
+@pytest.mark.parametrize("builder", [tiny_trocr, tiny_qwen2_vl, tiny_qwen2_5_vl])
 def test_tiny_builders_are_seeded(builder, tmp_path):
     start = time.perf_counter()
     weights = [load_file(builder(tmp_path / str(i)) / "model.safetensors") for i in range(2)]
     assert time.perf_counter() - start < 10  # two builds, each under 5 s
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+# --- OCR on real weights: PP-OCRv4 through rapidocr ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def paddle():
+    pytest.importorskip("rapidocr_onnxruntime", reason="the ocr extra: rapidocr-onnxruntime (Python < 3.13)")
+    return resolve("ocr")(resolve("ocr").Options(threads=1), CPU)
+
+
+@pytest.fixture(scope="module")
+def phrases():
+    rng = np.random.default_rng(0)
+    return np.stack([rendered(t, *LAYOUTS[i % len(LAYOUTS)], rng) for i, t in enumerate(PHRASES)])
+
+
+def test_ocr_reads_rendered_phrases_with_real_weights(paddle, phrases):
+    right = score(paddle, phrases, [f'a sign that reads "{t}"' for t in PHRASES])
+    other = score(paddle, phrases, [f'a sign that reads "{PHRASES[(i + 1) % len(PHRASES)]}"' for i in range(len(PHRASES))])
+    noise = score(paddle, np.random.default_rng(1).uniform(-1, 1, (2, 3, SIDE, SIDE)).astype(np.float32),
+                  ['"OPEN 24 HOURS"', '"Hello World"'])
+    assert right.mean() >= 0.9, (right, paddle.read(phrases))
+    assert other.max() <= 0.4, other
+    assert noise.max() <= 0.1, noise
+
+
+def test_ocr_reader_is_set_as_paddleocr_reads(paddle):
+    engine = paddle.reader.engine
+    post = engine.text_det.postprocess_op
+    assert (post.thresh, post.box_thresh, post.unclip_ratio, post.dilation_kernel) == (0.3, 0.6, 1.5, None)
+    assert list(engine.text_det.mean) == [0.485, 0.456, 0.406] and engine.text_score == 0.5
+    assert not engine.use_cls and engine.text_det.limit_type == "max"
+
+
+def test_a_failed_read_scores_zero_and_is_logged(paddle, phrases, monkeypatch, caplog):
+    engine, calls = paddle.reader.engine, []
+    def flaky(image):
+        calls.append(image)
+        if len(calls) == 2:
+            raise RuntimeError("box geometry")
+        return engine(image)
+    monkeypatch.setattr(paddle.reader, "engine", flaky)
+    with caplog.at_level("WARNING", logger="jointrl.reward"):
+        scores = score(paddle, phrases[:2], [f'"{t}"' for t in PHRASES[:2]])
+    assert scores[0] > 0.9 and scores[1] == 0 and "box geometry" in caplog.text
+
+
+def test_ocr_options_belong_to_their_reader():
+    options = resolve("ocr").Options
+    with pytest.raises(ValueError, match="reader=trocr"):
+        options(model="microsoft/trocr-base-printed")
+    with pytest.raises(ValueError, match="rapidocr"):
+        options(reader="trocr", det_model="det.onnx")
+    assert options(reader="trocr").reader == "trocr" and options().det_model is None
 
 
 # --- OCR on the tiny TrOCR -----------------------------------------------------------------------
@@ -163,8 +220,8 @@ def test_ocr_contract(ocr, images):
 
 def test_ocr_one_generate_per_batch(ocr, images, monkeypatch):
     calls = []
-    generate = ocr.model.generate
-    monkeypatch.setattr(ocr.model, "generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
+    generate = ocr.reader.model.generate
+    monkeypatch.setattr(ocr.reader.model, "generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
     score(ocr, images, [f'"{t}"' for t in TEXTS])
     assert len(calls) == 2  # 4 images in batches of 3
 
@@ -174,42 +231,58 @@ def test_ocr_refuses_prompts_without_quotes(ocr, images):
         score(ocr, images[:2], ['"fine"', "no quotes here"])
 
 
-# --- VQAScore on the tiny Qwen2-VL ---------------------------------------------------------------
+# --- VQAScore on the tiny Qwen2-VL and Qwen2.5-VL ------------------------------------------------
 
-@pytest.fixture(scope="module")
-def vqa():
-    return make("vqa_score", batch_size=3)
+VLMS = {"tiny:qwen2_vl": "Qwen2VLProcessor", "tiny:qwen2_5_vl": "Qwen2_5_VLProcessor"}
 
 
-def qwen2_vl_processor(path: str):
-    """The model's own `Qwen2VLProcessor`, for images only. transformers 5 checks that its video
-    processor is one, which needs torchvision (not installed here); the check alone is skipped."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+@pytest.fixture(scope="module", params=list(VLMS))
+def vqa(request):
+    return make("vqa_score", model=request.param, batch_size=3)
+
+
+def vl_processor(model: str):
+    """The model's own processor (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`), for images only.
+    transformers 5 checks that its video processor is one, which needs torchvision (not installed
+    here); the check alone is skipped."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
     from transformers.processing_utils import ProcessorMixin
+    path = local_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: type(arg))
-        return Qwen2VLProcessor(image_processor=AutoImageProcessor.from_pretrained(path), tokenizer=tokenizer,
-                                video_processor=None, chat_template=tokenizer.chat_template)
+        return getattr(transformers, VLMS[model])(image_processor=AutoImageProcessor.from_pretrained(path),
+                                                  tokenizer=tokenizer, video_processor=None,
+                                                  chat_template=tokenizer.chat_template)
+
+
+def test_vqa_loads_either_family(vqa):
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+    wanted = {"tiny:qwen2_vl": Qwen2VLForConditionalGeneration, "tiny:qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
+    assert type(vqa.model) is wanted[vqa.options.model]
+    with pytest.raises(ValueError, match="model_type 'clip'; vqa_score loads qwen2_vl or qwen2_5_vl"):
+        make("vqa_score", model="tiny:clip")
 
 
 def test_vqa_contract(vqa, images):
+    model = vqa.options.model
     scores = score(vqa, images, TEXTS)
     assert scores.shape == (len(TEXTS),) and scores.dtype == np.float64
     assert ((0 < scores) & (scores < 1)).all()
     np.testing.assert_array_equal(scores, score(vqa, images, TEXTS))
-    single = make("vqa_score", batch_size=1)  # prompts of different lengths: left padding must not matter
+    single = make("vqa_score", model=model, batch_size=1)  # prompts of different lengths: left padding must not matter
     np.testing.assert_allclose(scores, score(single, images, TEXTS), rtol=1e-5, atol=1e-9)
     assert len(set(scores.round(8))) == len(TEXTS)
     assert not np.allclose(scores[:-1], score(vqa, images[1:], TEXTS[:-1]))  # other images
-    yes_no = score(make("vqa_score", over="yes_no"), images, TEXTS)
+    yes_no = score(make("vqa_score", model=model, over="yes_no"), images, TEXTS)
     assert ((0 < yes_no) & (yes_no < 1)).all() and (yes_no > scores).all()
 
 
 def test_vqa_is_the_models_p_yes(vqa, images):
     """P(Yes) for one sample in a batch is what a plain forward pass of the model gives on the inputs
-    `Qwen2VLProcessor` makes from the chat template, the question and the image."""
-    processor = qwen2_vl_processor(local_model("tiny:qwen2_vl"))
+    the model's own processor makes from the chat template, the question and the image."""
+    processor = vl_processor(vqa.options.model)
     i = 1  # the longest prompt: the others in its batch are left-padded
     chat = [{"role": "user", "content": [{"type": "image"},
                                          {"type": "text", "text": f'Does this figure show "{TEXTS[i]}"? '
@@ -235,5 +308,5 @@ def test_vqa_one_forward_per_batch(vqa, images):
 
 
 def test_vqa_question_option(vqa, images):
-    other = make("vqa_score", question="Is {prompt} in this picture? Answer Yes or No.")
+    other = make("vqa_score", model=vqa.options.model, question="Is {prompt} in this picture? Answer Yes or No.")
     assert not np.allclose(score(vqa, images, TEXTS), score(other, images, TEXTS))

@@ -6,7 +6,7 @@ from algorithm.batch import Sample
 from cluster.expert_actor import ExpertActor
 from cluster.rollout_worker import RolloutWorker
 from experts.expert import StaleExpert
-from tests.conftest import make_config
+from tests.conftest import assert_same_rollout, make_config
 from tasks.shapes import prompt_set
 
 CFG = make_config("experts.n_refiners=2", preset="shapes-tiny")
@@ -30,7 +30,7 @@ def test_refiner_sync_keeps_the_text_encoder_cache_and_bumps_only_that_version()
     worker, experts = _synced_worker()
     items = _items()
     worker.run(0, items)
-    cached = dict(worker.frontend.encoder.cache)
+    cached = list(worker.frontend.encoder.cache.entries)
     assert cached
     tokens = worker.run(0, items).tokens["refiner_0"]
     adv = np.ones(len(tokens["prompts"]))
@@ -53,14 +53,14 @@ def test_rollout_is_a_function_of_seed_step_and_sample_not_of_batching():
         np.testing.assert_allclose(whole.terms[t], np.concatenate([h.terms[t] for h in halves]), atol=1e-6)
     assert whole.refinements == halves[0].refinements + halves[1].refinements
     again = worker.run(3, items).trajectories
-    np.testing.assert_array_equal(traj["states"], again["states"])
+    np.testing.assert_array_equal(traj.states, again.states)
 
 
 def test_expert_update_is_idempotent_by_step():
     worker, experts = _synced_worker()
     traj = worker.run(0, _items()).trajectories
     gen = experts["generator"]
-    adv = np.linspace(-1, 1, len(traj["logps"]))
+    adv = np.linspace(-1, 1, len(traj.logps))
     first = gen.update(0, 0, adv, traj)
     weights = gen.weights()
     again = gen.update(0, 0, adv, traj)
@@ -77,7 +77,7 @@ def test_generator_starts_from_an_init_checkpoint(tmp_path):
     trained = ExpertActor(CFG, "generator")
     worker, _ = _synced_worker()
     traj = worker.run(0, _items()).trajectories
-    trained.update(0, 0, np.linspace(-1, 1, len(traj["logps"])), traj)
+    trained.update(0, 0, np.linspace(-1, 1, len(traj.logps)), traj)
     path = checkpoint.save(tmp_path, 1, {"generator": trained.snapshot()}) / "generator.safetensors"
     cfg = make_config("experts.n_refiners=2", f"experts.generator.init={path}", preset="shapes-tiny")
     started = ExpertActor(cfg, "generator")
@@ -149,15 +149,68 @@ def test_a_rollout_is_made_with_the_versions_it_names_even_after_a_newer_one_arr
     from cluster.recovery import NotSynced
     worker, experts = _synced_worker()
     items = _items()
-    before = worker.rollout(0, items)[1]["states"]
+    before = worker.rollout(0, items)[1].states
     stats = experts["generator"].update(0, 0, np.ones(len(items)), worker.rollout(0, items)[1])
     worker.load_weights("generator", stats["version"], experts["generator"].weights())  # overtakes the rollout
     named = {"refiner_0": 0, "refiner_1": 0, "generator": 0}
-    np.testing.assert_array_equal(worker.rollout(0, items, named)[1]["states"], before)
-    newer = worker.rollout(0, items, {**named, "generator": 1})[1]["states"]
+    np.testing.assert_array_equal(worker.rollout(0, items, named)[1].states, before)
+    newer = worker.rollout(0, items, {**named, "generator": 1})[1].states
     assert not np.array_equal(newer, before)
     with pytest.raises(NotSynced, match="generator"):  # v0 is forgotten once a rollout named v1
         worker.rollout(0, items, named)
+
+
+def test_a_share_rolled_out_in_chunks_equals_it_rolled_out_at_once():
+    """rollout.batch_size: a share of 8 in chunks of 3 (the last one short) or of 1 (some without a
+    refined sample) gives the same refinements, rewards, counterfactual regenerations, logged images,
+    states, log-probs and text features as at once; `draw` and `evaluate` too."""
+    outputs, drawn, evaluated = {}, {}, {}
+    prompts = prompt_set(5, seed=4)
+    for size in ("null", 3, 1):
+        _, worker = _counterfactual_worker(f"rollout.batch_size={size}", "logging.images_every=1")
+        outputs[size] = worker.run(2, _items())
+        drawn[size] = worker.draw(prompts, refine=True)
+        evaluated[size] = worker.evaluate(prompts, refine=True)
+    assert outputs["null"].meta.images is not None
+    for size in (3, 1):
+        assert_same_rollout(outputs[size], outputs["null"])
+        assert drawn[size]["refinements"] == drawn["null"]["refinements"]
+        np.testing.assert_allclose(drawn[size]["images"], drawn["null"]["images"], rtol=0, atol=1e-6)
+        for key in ("terms", "strict"):
+            for t, v in evaluated["null"][key].items():
+                np.testing.assert_allclose(evaluated[size][key][t], v, rtol=0, atol=1e-6)
+
+
+def test_the_text_cache_stays_within_its_bound_and_serves_the_encoders_features():
+    """rollout.text_cache_mb: over 300 unique refined prompts (each batch repeating two of the last),
+    the cache never holds more bytes than its bound (counted as the storages it keeps alive), drops
+    the least recently used first, and serves what the encoder computes without a cache."""
+    import torch
+
+    from experts.frontend import ShapesFrontEnd, build_text_encoder
+    from experts.text_encoder import CachedEncoder, held_bytes
+    from tasks.shapes import BOS, SEP, VOCAB
+
+    cfg = make_config("rollout.text_cache_mb=0.0625", preset="shapes-tiny")
+    cached = ShapesFrontEnd(cfg, torch.device("cpu")).encoder
+    bound = cached.cache.max_bytes
+    assert bound == 2 ** 16
+    uncached = CachedEncoder(build_text_encoder(cfg), max_bytes=0)
+    rng = np.random.default_rng(0)
+    refined = list(dict.fromkeys((BOS, *p.ids, SEP, *rng.integers(SEP + 1, len(VOCAB), 6).tolist())
+                                 for p in prompt_set(400, seed=5)))[:300]
+    assert len(refined) == 300
+    for first in range(0, 300, 10):
+        seqs = refined[first:first + 10] + refined[max(0, first - 2):first]
+        feats, pad = cached(seqs)
+        want, want_pad = uncached(seqs)
+        assert torch.equal(pad, want_pad)
+        torch.testing.assert_close(feats, want, rtol=0, atol=1e-6)
+        assert cached.cache.bytes == sum(held_bytes(f) for f in cached.cache.entries.values()) <= bound
+    assert cached.take_stats() == (29 * 2, 300)
+    assert len(uncached.cache) == 0 and uncached.take_stats() == (0, 300 + 29 * 2)
+    kept = [k[1] for k in cached.cache.entries]
+    assert 10 < len(kept) < 300 and kept == refined[-len(kept):]  # the least recently used went first
 
 
 def test_same_initial_noise_shares_a_groups_start_and_nothing_else():

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from experts.tiny_hf import byte_tokenizer
+from common.tiny_tokenizer import byte_tokenizer
 
 LATENT_CHANNELS = 4  # the transformer reads 2x2 patches of them: 16 channels a token
 TEXT_WIDTH = 16

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from experts.tiny_hf import byte_tokenizer
+from common.tiny_tokenizer import byte_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
            "<|video_pad|>"]

@@ -26,7 +26,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from experts.hub import local_model
+from common.hub import local_model
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel
 from tasks.rewards.clip import ClipEncoder
@@ -71,12 +71,12 @@ class Aesthetic(RewardModel):
 
     def __init__(self, options: AestheticOptions, device: torch.device):
         super().__init__(options, device)
-        path = Path(options.head or Path(local_model(self.model_name)) / HEAD_FILE)
+        path = Path(options.head or Path(local_model(self.model_name, options.revision)) / HEAD_FILE)
         if not path.is_file():
             raise ValueError(f"no aesthetic head at {path}: set `head` to the safetensors file of the MLP "
                              "(see tasks/rewards/aesthetic.py for converting the released .pth)")
         self.head = load_head(path).to(device).eval().requires_grad_(False)
-        self.clip = ClipEncoder(self.model_name, self.model_name, self.dtype, device)
+        self.clip = ClipEncoder(self.model_name, self.model_name, self.dtype, device, options.revision)
 
     @torch.no_grad()
     def __call__(self, images: np.ndarray, prompts: Sequence[Any],

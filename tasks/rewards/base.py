@@ -25,38 +25,59 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from experts.spec import Strict
+from common.config import Strict
+from common.hub import ModelRef
+from common.loading import DTYPES
 from tasks.base import Refinement, to_uint8
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Options(Strict):
     """Keys every reward model takes; a built-in's `Options` adds its own."""
     model: str | None = Field(None, description="the model: a local folder, a hub id or `tiny:<kind>` (a tiny "
                                                 "random one, for tests); None: the built-in's default")
+    revision: str | None = Field(None, description="the hub revision of `model` (a branch, tag or commit hash; "
+                                                   "pin a commit for runs that repeat); None: its default branch. "
+                                                   "The other models a term names load their default branch")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the model's dtype")
     batch_size: int = Field(16, ge=1, description="images per forward pass")
 
 
 class RewardModel:
     """A built-in reward term. Subclasses set `default_model` (the hub id loaded when `model` is
-    unset), `packages` (what it imports; preflight names the extra to install) and `Options`."""
+    unset), `packages` (what it imports; preflight names the extra to install, `imports` where
+    that depends on the options) and `Options`."""
     Options = Options
     default_model: str | None = None
     packages: tuple[str, ...] = ()
     needs_images = True  # False: a text term, scored on refinements alone
+    prompt_files = True  # False: it scores its own task's prompt records only, not prompts read from a file
 
     def __init__(self, options: Options, device: torch.device):
         self.options, self.device = options, device
 
+    @classmethod
+    def imports(cls, options: Options) -> tuple[str, ...]:
+        """The packages scoring with `options` imports."""
+        return cls.packages
+
+    @classmethod
+    def named_model(cls, options: Options) -> str | None:
+        """The model `options` name: `model`, else the built-in's default."""
+        return options.model or cls.default_model
+
+    @classmethod
+    def models(cls, options: Options) -> list[ModelRef]:
+        """Every model the scorer loads, at the revision it loads: what `jointrl download` fetches."""
+        name = cls.named_model(options)
+        return [ModelRef(name, options.revision)] if name else []
+
     @property
     def model_name(self) -> str | None:
-        return self.options.model or self.default_model
+        return self.named_model(self.options)
 
     @property
     def dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.options.dtype]
+        return DTYPES[self.options.dtype]
 
     def __call__(self, images: np.ndarray, prompts: Sequence[Any],
                  refinements: Sequence[dict[str, Refinement]]) -> np.ndarray:

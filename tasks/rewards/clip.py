@@ -4,11 +4,14 @@ Both embed a batch of images and their *original* prompts in one forward pass ea
 the embeddings and score each image against its own prompt by cosine similarity; they differ in
 the checkpoint, the processor and the scale.
 
-- `ClipScore` returns the plain cosine, in [-1, 1]. Flow-GRPO (github yifan123/flow_grpo at
-  ac4c86e) has no CLIP scorer (`flow_grpo/rewards.py` `multi_score` lists none), so there is no
-  convention to follow; CLIPScore (Hessel et al. 2021, eq. 1) is 2.5 * max(cos, 0) and torchmetrics'
-  `CLIPScore` 100 * max(cos, 0). The clamp is dropped because it flattens the signal RL learns
-  from, and the factor because a term's weight in the config already sets its scale.
+- `ClipScore` returns, by `scale`, the plain cosine in [-1, 1] (`cosine`, the default: no clamp
+  flattens the signal RL learns from, and a term's weight in the config already sets its scale), or
+  CLIPScore as torchmetrics defines it, 100 * max(cos, 0) (`clipscore`; github Lightning-AI/
+  torchmetrics `functional/multimodal/clip_score.py`: `100 * cos`, clamped at 0, so in [0, 100];
+  Hessel et al. 2021, eq. 1, weigh it 2.5 instead of 100). torchmetrics clamps the mean of a
+  batch, here each image is clamped: the two agree wherever no cosine is negative, as with real
+  images and captions. Flow-GRPO (github yifan123/flow_grpo at ac4c86e) has no CLIP scorer
+  (`flow_grpo/rewards.py` `multi_score` lists none).
 - `PickScore` is `logit_scale.exp() * cos` (Kirstain et al. 2023; github yuvalkirstain/PickScore
   README `calc_probs`: `model.logit_scale.exp() * (text_embs @ image_embs.T)`), times `scale`:
   by default 1/26, Flow-GRPO's `flow_grpo/pickscore_scorer.py` l.49 `scores = scores/26` ("norm
@@ -16,13 +19,14 @@ the checkpoint, the processor and the scale.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from experts.hub import is_tiny, local_model
+from common.hub import ModelRef, is_tiny, local_model
+from common.loading import pretrained
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images
 
@@ -40,13 +44,15 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 
 
 class ClipEncoder:
-    """A `CLIPModel` and its processor, loaded once (in `dtype`, on `device`, in eval mode): the
-    unit embeddings of a batch of images or texts, each in one forward pass."""
+    """A `CLIPModel` (at `revision`) and its processor, loaded once (in `dtype`, on `device`, in eval
+    mode): the unit embeddings of a batch of images or texts, each in one forward pass."""
 
-    def __init__(self, model: str, processor: str, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: str, processor: str, dtype: torch.dtype, device: torch.device,
+                 revision: str | None = None):
         from transformers import AutoProcessor, CLIPModel
-        self.processor = AutoProcessor.from_pretrained(local_model(processor))
-        self.model = CLIPModel.from_pretrained(local_model(model), dtype=dtype).to(device).eval().requires_grad_(False)
+        same = processor == model
+        self.processor = AutoProcessor.from_pretrained(local_model(processor, revision if same else None, weights=same))
+        self.model = pretrained(CLIPModel, local_model(model, revision), dtype, device).eval().requires_grad_(False)
         self.dtype, self.device = dtype, device
 
     @torch.no_grad()
@@ -64,22 +70,36 @@ class ClipEncoder:
                                                           attention_mask=inputs["attention_mask"].to(self.device))))
 
 
+class ClipScoreOptions(Options):
+    scale: Literal["cosine", "clipscore"] = Field("cosine", description="cosine: the cosine of image and prompt "
+                                                  "embeddings, in [-1, 1]; clipscore: 100 * max(cosine, 0), "
+                                                  "CLIPScore as torchmetrics reports it, in [0, 100]")
+
+
 class ClipScore(RewardModel):
-    """Cosine similarity of CLIP's image and prompt embeddings (see the module docstring)."""
+    """CLIP's image-prompt cosine, or CLIPScore (see the module docstring)."""
+    Options = ClipScoreOptions
     default_model = "openai/clip-vit-large-patch14"
     packages = ("transformers",)
 
     def __init__(self, options: Options, device: torch.device):
         super().__init__(options, device)
-        self.clip = ClipEncoder(self.model_name, self.processor_name, self.dtype, device)
+        self.clip = ClipEncoder(self.model_name, self.processor_of(options), self.dtype, device, options.revision)
 
-    @property
-    def processor_name(self) -> str:
-        return self.model_name
+    @classmethod
+    def processor_of(cls, options: Options) -> str:
+        """The processor's folder, hub id or tiny:<kind>."""
+        return cls.named_model(options)
 
-    def factor(self) -> torch.Tensor | float:
-        """What the cosine is multiplied by."""
-        return 1.0
+    @classmethod
+    def models(cls, options: Options) -> list[ModelRef]:
+        processor = cls.processor_of(options)
+        alone = [ModelRef(processor, weights=False)] if processor != cls.named_model(options) else []
+        return [*super().models(options), *alone]  # a processor of another repo: its files, not its weights
+
+    def scaled(self, cosine: torch.Tensor) -> torch.Tensor:
+        """The score of a batch's cosines (float32)."""
+        return cosine if self.options.scale == "cosine" else 100 * cosine.clamp(min=0)
 
     @torch.no_grad()
     def __call__(self, images: np.ndarray, prompts: Sequence[Any],
@@ -88,7 +108,7 @@ class ClipScore(RewardModel):
         scores = np.empty(len(texts), dtype=np.float64)
         for rows in self.batches(len(texts)):
             cosine = (self.clip.images(images[rows]) * self.clip.texts(texts[rows])).sum(-1)
-            scores[rows] = (self.factor() * cosine.float()).cpu().numpy()
+            scores[rows] = self.scaled(cosine.float()).cpu().numpy()
         return scores
 
 
@@ -105,11 +125,12 @@ class PickScore(ClipScore):
     Options = PickScoreOptions
     default_model = "yuvalkirstain/PickScore_v1"
 
-    @property
-    def processor_name(self) -> str:
-        if self.options.processor:
-            return self.options.processor
-        return self.model_name if is_tiny(self.model_name) else PICKSCORE_PROCESSOR
+    @classmethod
+    def processor_of(cls, options: PickScoreOptions) -> str:
+        if options.processor:
+            return options.processor
+        model = cls.named_model(options)
+        return model if is_tiny(model) else PICKSCORE_PROCESSOR
 
-    def factor(self) -> torch.Tensor:
-        return self.options.scale * self.clip.model.logit_scale.exp().float()
+    def scaled(self, cosine: torch.Tensor) -> torch.Tensor:
+        return self.options.scale * self.clip.model.logit_scale.exp().float() * cosine

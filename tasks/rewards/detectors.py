@@ -12,7 +12,8 @@ from typing import Sequence
 
 import torch
 
-from experts.hub import local_model
+from common.hub import local_model
+from common.loading import pretrained
 
 DEFAULT_MODELS = {"owlv2": "google/owlv2-base-patch16-ensemble", "grounding_dino": "IDEA-Research/grounding-dino-tiny"}
 MODEL_TYPES = {"owlv2": "owlv2", "grounding-dino": "grounding_dino"}  # a config's model_type -> detector
@@ -105,6 +106,7 @@ def _records(labels: Sequence[str], scores: torch.Tensor, indices: torch.Tensor,
 class OwlV2:
     """OWLv2 (Minderer et al. 2023) through `Owlv2ForObjectDetection`: one forward per batch of
     images, each with its own prompt's class queries (the processor pads them to the most)."""
+    kind = "owlv2"
 
     def __init__(self, processor, model, template: str):
         self.processor, self.model, self.template = processor, model, template
@@ -137,6 +139,7 @@ class GroundingDino:
     """Grounding DINO (Liu et al. 2023) through `AutoModelForZeroShotObjectDetection`: one forward
     per batch of images, each with its own prompt's classes as one text, "cat. dog." (lower case,
     each phrase ended by a dot, as the model was trained and its processor merges labels)."""
+    kind = "grounding_dino"
 
     def __init__(self, processor, model, template: str):
         self.processor, self.model, self.template = processor, model, template
@@ -180,16 +183,17 @@ DETECTORS = {"owlv2": OwlV2, "grounding_dino": GroundingDino}
 
 
 def load_detector(name: str, detector: str | None, template: str | None, dtype: torch.dtype,
-                  device: torch.device) -> OwlV2 | GroundingDino:
-    """The detector `name` names; its kind is read from its config (`detector`, if given, must agree)."""
+                  device: torch.device, revision: str | None = None) -> OwlV2 | GroundingDino:
+    """The detector `name` names (at `revision`); its kind is read from its config (`detector`, if
+    given, must agree)."""
     from transformers import AutoConfig, AutoModelForZeroShotObjectDetection, AutoProcessor
-    path = local_model(name)
+    path = local_model(name, revision)
     model_type = AutoConfig.from_pretrained(path).model_type
     found = MODEL_TYPES.get(model_type)
     if found is None or (detector is not None and detector != found):
         wanted = detector or " or ".join(DETECTORS)
         raise ValueError(f"geneval: the model '{name}' has model_type '{model_type}'; the detector must be {wanted} "
                          f"(model_type {' or '.join(t for t, d in MODEL_TYPES.items() if d in wanted)})")
-    model = AutoModelForZeroShotObjectDetection.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = pretrained(AutoModelForZeroShotObjectDetection, path, dtype, device).eval()
     return DETECTORS[found](AutoProcessor.from_pretrained(path), model.requires_grad_(False),
                             template or QUERY_TEMPLATES[found])

@@ -13,16 +13,33 @@ position?: [relation, index]}]`, and what it must not, `exclude: [{class, count}
 - an exclude clause: fewer than `count` detections of its class.
 
 As in GenEval a colour is checked only on a clause whose count holds, and a position only on a
-clause whose count and colour hold and whose target clause held entirely. The reward (`__call__`)
-is the fraction of clauses that hold, a partial credit to train on; `strict` is 1 only when all
-hold, which is GenEval's correctness (`evaluate`: every include matched, no exclude violated).
+clause whose count and colour hold and whose target clause held entirely. `strict` is 1 only when
+all clauses hold: GenEval's correctness (`evaluate`: every include matched, no exclude violated).
+
+The reward (`__call__`) is a partial credit to train on, one of two (`partial`):
+
+- `clauses` (the default): the fraction of the clauses above that hold, each 0 or 1, excludes
+  included; 1 exactly when `strict` is. "two clocks" with 0 or 4 clocks found scores 0.5 (the
+  count fails; the exclude clause "fewer than 3" holds for 0, fails for 4).
+- `flow_grpo`: Flow-GRPO's training reward (`flow_grpo_credit`; reward-server `evaluate_reward`),
+  the mean of graded entries per include clause: 1 - |count - found| / count for the count, over
+  *every* detection kept of the class (exactly `count` is wanted; it is negative past twice the
+  count); a count that is not exact adds one 0 for the colour and position it names (one 0 for
+  both) and stops there; otherwise n / count for the colour (n: objects classified that colour)
+  and, when the colour is right, 1 for a position that holds, 0 when its target clause failed, and
+  0 *then* 1 when a relation fails (the source appends 1 after its loop whatever the loop found).
+  Exclude clauses are not read. "two clocks" with 0 or 4 found scores 0, with 1 or 3 found 0.5.
+  (`strict` stays GenEval's: what Flow-GRPO logs as `accuracy`; its `strict_accuracy` is
+  `evaluate_reward`'s own verdict, exact counts and colours, which no term here reports.)
 
 References: github djghosh13/geneval at af4902f, `evaluation/evaluate_images.py` (cited below by
 line), and Flow-GRPO's GenEval reward (github yifan123/flow_grpo at ac4c86e,
 `flow_grpo/rewards.py` `geneval_score`, which calls github yifan123/reward-server at 92ac29f,
-`reward_server/gen_eval.py` `evaluate_reward`).
+`reward_server/gen_eval.py` `evaluate_reward`, the `score` it returns; its selection of boxes and
+its thresholds are GenEval's). tests/test_rewards_geneval.py checks both against transcriptions of
+those two functions on thousands of random detection sets.
 
-Where this differs from GenEval's own pipeline:
+Where this differs from GenEval's own pipeline (and so from Flow-GRPO's reward server):
 
 - Detector. GenEval runs Mask2Former (Swin-S, mmdet) over the 80 COCO classes, every class for
   every image. Here an open-vocabulary detector from `transformers` is asked for the prompt's own
@@ -31,10 +48,12 @@ Where this differs from GenEval's own pipeline:
   convention), a class's score being the best over its tokens. Each box counts for one class, the
   query it matches best (as `post_process_object_detection` does), where Mask2Former may list a
   mask under several.
-- Thresholds. The defaults are GenEval's (0.3, and 0.9 for `counting` prompts, l.286-287), which
-  were set for Mask2Former's scores; OWLv2's run lower (owlv2-base-patch16-ensemble scores the two
-  plain cats of COCO val2017 000000039769 at 0.74 and 0.63: github huggingface/transformers.js
-  #579), so at 0.9 a counting prompt is rarely met. Calibrate both for the detector.
+- Thresholds, one pair per detector (`thresholds.<detector>.{score, counting}`). The defaults are
+  GenEval's (0.3, and 0.9 for `counting` prompts, l.286-287), set for Mask2Former's scores; OWLv2's
+  run lower (owlv2-base-patch16-ensemble scores the two plain cats of COCO val2017 000000039769 at
+  0.74 and 0.63: github huggingface/transformers.js #579), so at 0.9 a counting prompt is rarely
+  met. Until they are calibrated for the detector on a labelled set (README: "GenEval figures"),
+  accuracies from this reward are not comparable with published GenEval figures.
   `max_objects` (16) and `max_overlap` (1.0: no suppression) are GenEval's too (l.288-289); OWLv2
   predicts a box per image patch, not a set as Mask2Former and Grounding DINO do, so duplicates are
   not trained away and a `max_overlap` such as 0.5 may be wanted for counting.
@@ -45,9 +64,8 @@ Where this differs from GenEval's own pipeline:
 - OWLv2 input. transformers' PIL `Owlv2ImageProcessor` resizes with scipy (not a dependency here);
   images are padded to a square at the bottom right and resized with PIL's antialiased bilinear
   instead, then only rescaled and normalised by the processor.
-- Partial credit. GenEval reports correctness only. Flow-GRPO trains on a graded score
-  (`evaluate_reward`: 1 - |count - found| / count per count and colour, 0/1 per position, no exclude
-  clause); here every clause is 0/1 and excludes count, so the reward is 1 exactly when `strict` is.
+- Images. Flow-GRPO sends the server JPEG-compressed images (`geneval_score`); they are scored
+  here as generated.
 """
 from __future__ import annotations
 
@@ -57,6 +75,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from common.config import Strict
+from common.hub import ModelRef
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images
 from tasks.rewards.clip import ClipEncoder, features, unit
@@ -110,8 +130,41 @@ def clauses(metadata: Mapping[str, Any], detections: Sequence[Detection],
     return verdicts
 
 
+def flow_grpo_credit(metadata: Mapping[str, Any], detections: Sequence[Detection],
+                     colour_of: Callable[[Detection], str], position_margin: float = 0.1) -> float:
+    """Flow-GRPO's graded reward (reward-server `evaluate_reward`, see the module docstring): the
+    mean of the entries each include clause adds; exclude clauses are not read. `colour_of` is
+    asked only about the detections `to_colour` lists."""
+    found = ranked(detections)
+    entries: list[float] = []
+    groups: list[list[Detection] | None] = []  # per include clause: its objects, if it held entirely
+    for req in metadata["include"]:
+        count, objects = req["count"], found.get(req["class"], [])
+        entries.append(1 - abs(count - len(objects)) / count)
+        matched = len(objects) == count
+        if not matched:
+            entries += [0.0] if "color" in req or "position" in req else []
+        else:
+            if "color" in req:
+                coloured = sum(colour_of(d) == req["color"] for d in objects)
+                entries.append(1 - abs(count - coloured) / count)
+                matched = coloured == count
+            if "position" in req and matched:
+                relation, target = req["position"]
+                if groups[target] is None:
+                    matched = False
+                    entries.append(0.0)
+                else:
+                    matched = all(relation in relative_position(d.box, t.box, position_margin)
+                                  for d in objects for t in groups[target])
+                    entries += [1.0] if matched else [0.0, 1.0]
+        groups.append(objects if matched else None)
+    return sum(entries) / len(entries)
+
+
 def to_colour(metadata: Mapping[str, Any], detections: Sequence[Detection]) -> list[Detection]:
-    """The detections whose colour `clauses` asks about: the objects of each clause naming a colour."""
+    """The detections whose colour `clauses` or `flow_grpo_credit` asks about: the `count` most
+    confident objects of each clause naming a colour."""
     found = ranked(detections)
     return list(dict.fromkeys(d for req in metadata["include"] if "color" in req
                               for d in found.get(req["class"], [])[:req["count"]]))
@@ -181,6 +234,20 @@ class ColourClassifier:
 
 # --- the reward ----------------------------------------------------------------------------------- #
 
+class Thresholds(Strict):
+    """One detector's score thresholds: GenEval's by default, which were set for Mask2Former."""
+    score: float = Field(0.3, ge=0, le=1, description="a detection counts above this score (GenEval l.286, "
+                         "Mask2Former's; uncalibrated for this detector)")
+    counting: float = Field(0.9, ge=0, le=1, description="the same for prompts tagged `counting` (GenEval l.287, "
+                            "Mask2Former's; uncalibrated for this detector)")
+
+
+class DetectorThresholds(Strict):
+    """The thresholds of each detector, so that a pair calibrated for one is never used for the other."""
+    owlv2: Thresholds = Field(Thresholds(), description="OWLv2's detection thresholds")
+    grounding_dino: Thresholds = Field(Thresholds(), description="Grounding DINO's detection thresholds")
+
+
 class GenEvalOptions(Options):
     detector: Literal["owlv2", "grounding_dino"] | None = Field(
         None, description="the detector's kind; None: read from the model's config. With `model` unset it picks "
@@ -189,9 +256,13 @@ class GenEvalOptions(Options):
                                        f"None: {QUERY_TEMPLATES}")
     clip_model: str = Field("openai/clip-vit-large-patch14", description="the CLIP classifying colours: a local "
                             "folder, a hub id or `tiny:clip` (GenEval: open_clip ViT-L-14, openai weights)")
-    threshold: float = Field(0.3, ge=0, le=1, description="a detection counts above this score (GenEval l.286)")
-    counting_threshold: float = Field(0.9, ge=0, le=1, description="the same for prompts tagged `counting` "
-                                      "(GenEval l.287; calibrated for Mask2Former, see the module docstring)")
+    partial: Literal["clauses", "flow_grpo"] = Field("clauses", description="the reward: clauses (the fraction of "
+                                                     "GenEval's 0/1 clauses that hold, excludes included) or "
+                                                     "flow_grpo (Flow-GRPO's graded score: exact counts, colour "
+                                                     "fractions, no excludes); `strict` is GenEval's either way")
+    thresholds: DetectorThresholds = Field(DetectorThresholds(), description="per detector, the score a detection "
+                                           "must exceed; GenEval figures are comparable with published ones only "
+                                           "once these are calibrated for the detector (see the README)")
     max_objects: int = Field(16, ge=1, description="at most this many detections per class (GenEval l.288)")
     max_overlap: float = Field(1.0, gt=0, le=1, description="a detection overlapping a more confident one of its "
                                "class by this IoU or more is dropped; 1: none is (GenEval l.289)")
@@ -201,23 +272,31 @@ class GenEvalOptions(Options):
 
 class GenEval(RewardModel):
     """GenEval's clauses checked by an open-vocabulary detector and CLIP (see the module docstring):
-    the fraction that hold, or (`strict`) whether all do."""
+    a partial credit (`partial`), or (`strict`) whether all clauses hold."""
     Options = GenEvalOptions
     default_model = DEFAULT_MODELS["owlv2"]
     packages = ("transformers",)
 
     def __init__(self, options: GenEvalOptions, device: torch.device):
         super().__init__(options, device)
-        self.detector = load_detector(self.model_name, options.detector, options.query_template, self.dtype, device)
+        self.detector = load_detector(self.model_name, options.detector, options.query_template, self.dtype, device,
+                                      options.revision)
         self.colours = ColourClassifier(options.clip_model, self.dtype, device)
 
-    @property
-    def model_name(self) -> str:
-        return self.options.model or DEFAULT_MODELS[self.options.detector or "owlv2"]
+    @classmethod
+    def named_model(cls, options: GenEvalOptions) -> str:
+        return options.model or DEFAULT_MODELS[options.detector or "owlv2"]
+
+    @classmethod
+    def models(cls, options: GenEvalOptions) -> list[ModelRef]:
+        return [*super().models(options), ModelRef(options.clip_model)]
 
     def __call__(self, images: np.ndarray, prompts: Sequence[Any],
                  refinements: Sequence[dict[str, Refinement]]) -> np.ndarray:
-        return np.array([float(np.mean(v)) for v in self.verdicts(images, prompts)])
+        margin = self.options.position_margin
+        if self.options.partial == "flow_grpo":
+            return np.array([flow_grpo_credit(m, f, c, margin) for m, f, c in self.judged(images, prompts)])
+        return np.array([float(np.mean(clauses(m, f, c, margin))) for m, f, c in self.judged(images, prompts)])
 
     def strict(self, images: np.ndarray, prompts: Sequence[Any],
                refinements: Sequence[dict[str, Refinement]]) -> np.ndarray:
@@ -225,20 +304,27 @@ class GenEval(RewardModel):
         return np.array([float(all(v)) for v in self.verdicts(images, prompts)])
 
     def verdicts(self, images: np.ndarray, prompts: Sequence[Any]) -> list[list[bool]]:
-        """Each image's clause verdicts against its *original* prompt's metadata: the detector on
-        `batch_size` images at a time, then CLIP on every crop whose colour a clause asks about."""
+        """Each image's clause verdicts (`clauses`)."""
+        return [clauses(m, f, c, self.options.position_margin) for m, f, c in self.judged(images, prompts)]
+
+    def judged(self, images: np.ndarray, prompts: Sequence[Any]
+               ) -> list[tuple[Mapping[str, Any], list[Detection], Callable[[Detection], str]]]:
+        """Per image, what the credits are computed from: its *original* prompt's metadata, the
+        detections kept (the detector on `batch_size` images at a time, each image thresholded by
+        its prompt's tag with this detector's thresholds) and the colour of each detection a
+        clause asks about (CLIP on every such crop, one pass)."""
         metadata = [checked(p) for p in prompts]
         pil = pil_images(images)
         o = self.options
+        thresholds: Thresholds = getattr(o.thresholds, self.detector.kind)
         found: list[list[Detection]] = []
         for rows in self.batches(len(pil)):
             raw = self.detector(pil[rows], [classes(m) for m in metadata[rows]])
-            found += [select(r, o.counting_threshold if m.get("tag") == "counting" else o.threshold,
+            found += [select(r, thresholds.counting if m.get("tag") == "counting" else thresholds.score,
                              o.max_objects, o.max_overlap) for r, m in zip(raw, metadata[rows])]
         wanted = [(i, d) for i, (m, f) in enumerate(zip(metadata, found)) for d in to_colour(m, f)]
         named = self.colours([crop(pil[i], d.box) for i, d in wanted], [d.label for _, d in wanted])
         colour: list[dict[Detection, str]] = [{} for _ in pil]
         for (i, d), name in zip(wanted, named):
             colour[i][d] = name
-        return [clauses(m, f, colour[i].__getitem__, o.position_margin)
-                for i, (m, f) in enumerate(zip(metadata, found))]
+        return [(m, f, colour[i].__getitem__) for i, (m, f) in enumerate(zip(metadata, found))]

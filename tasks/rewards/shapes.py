@@ -39,6 +39,7 @@ def format_term(ref: Refinement) -> float:
 class ShapesImage(RewardModel):
     """The detector's partial credit: colour coverage, shape and exact count of each object, and
     the relation between two (tasks/shapes.py `image_checks`)."""
+    prompt_files = False  # it reads the shapes task's prompt records (their objects), not text
 
     def __call__(self, images, prompts, refinements) -> np.ndarray:
         return np.array([float(np.mean(image_checks(to_uint8(im), p))) for im, p in zip(images, prompts)])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, ValidationError, model_validator
 
-from experts.spec import Resources, Strict
+from common.config import Resources, Strict
 from tasks.rewards import BUILTINS, is_model, resolve
 
 
@@ -46,8 +46,9 @@ class TermConfig(Strict):
         try:
             return found.Options.model_validate(extra)
         except ValidationError as e:
-            raise ValueError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) \
-                from None
+            raise ValueError("; ".join(": ".join(filter(None, (".".join(map(str, err["loc"])),
+                                                              err["msg"].removeprefix("Value error, "))))
+                                       for err in e.errors())) from None
 
     def needs_images(self) -> bool:
         """False for a text term (a refiner can own it by default); a user's function is assumed

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from common.hub import ModelRef
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, merged
 
@@ -77,8 +78,12 @@ class Length(TextTerm):
         if options.tokenizer:
             from transformers import AutoTokenizer
 
-            from experts.hub import local_model
-            self.tokenizer = AutoTokenizer.from_pretrained(local_model(options.tokenizer))
+            from common.hub import local_model
+            self.tokenizer = AutoTokenizer.from_pretrained(local_model(options.tokenizer, weights=False))
+
+    @classmethod
+    def models(cls, options: LengthOptions) -> list[ModelRef]:
+        return [ModelRef(options.tokenizer, weights=False)] if options.tokenizer else []
 
     def size(self, text: str) -> int:
         if self.tokenizer is None:
@@ -125,10 +130,11 @@ class Faithful(TextTerm):
         if options.model:
             from transformers import AutoModel, AutoTokenizer
 
-            from experts.hub import local_model
-            path = local_model(options.model)
+            from common.hub import local_model
+            from common.loading import pretrained
+            path = local_model(options.model, options.revision)
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.encoder = AutoModel.from_pretrained(path, dtype=self.dtype).to(device).eval()
+            self.encoder = pretrained(AutoModel, path, self.dtype, device).eval()
 
     @torch.no_grad()
     def embed(self, texts: list[str]) -> torch.Tensor:

@@ -3,8 +3,10 @@ the image shows the prompt.
 
 VQAScore (Lin et al. 2024, "Evaluating Text-to-Visual Generation with Image-to-Text Generation",
 arXiv 2404.01291) scores an image against a text as P("Yes" | image, question(text)). Its reference
-code for Qwen2-VL (github linzhiqiu/t2v_metrics at 6ecb74f,
-`t2v_metrics/models/vqascore_models/qwen2vl_model.py`) is followed:
+code for Qwen2-VL and Qwen2.5-VL (github linzhiqiu/t2v_metrics at 6ecb74f,
+`t2v_metrics/models/vqascore_models/qwen2vl_model.py`, which now lists the Qwen2.5-VL checkpoints,
+3B to 72B, and keeps Qwen2-VL's commented out) is followed; either family loads, picked by the
+checkpoint's `model_type` (the reference picks by "qwen2.5" in the name):
 
 - the question is `Does this figure show "{}"? Please answer Yes or No.` and the answer `Yes`
   (l.173-174; the paper's CLIP-FlanT5 template says "yes or no", V_3.0_README.md l.213), asked as
@@ -20,10 +22,11 @@ position is the last one for every row) gives the raw next-token logits. The ans
 first token only (the reference takes the geometric mean over the answer's tokens, l.289); "Yes" is
 one token in Qwen2's vocabulary, so the two agree there.
 
-The inputs are made as `Qwen2VLProcessor` makes them (image tokens expanded to the image's merged
-patch grid, `mm_token_type_ids` marking them) from its tokenizer and image processor: transformers 5
-cannot build the processor itself without torchvision, which its video processor needs even for
-images (huggingface/transformers#48558). tests/test_rewards_ocr_vqa.py checks the two agree.
+The inputs are made as `Qwen2VLProcessor` and `Qwen2_5_VLProcessor` make them (the two agree for
+images: image tokens expanded to the image's merged patch grid, `mm_token_type_ids` marking them)
+from the tokenizer and image processor: transformers 5 cannot build the processors themselves
+without torchvision, which their video processor needs even for images (huggingface/transformers
+#48558). tests/test_rewards_ocr_vqa.py checks them against both processors.
 """
 from __future__ import annotations
 
@@ -33,12 +36,14 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator
 
-from experts.hub import local_model
+from common.hub import local_model
+from common.loading import pretrained
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images
 
 QUESTION = 'Does this figure show "{prompt}"? Please answer Yes or No.'
 ANSWERS = ("Yes", "No")
+MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def yes_probability(logits: torch.Tensor, yes_id: int, no_id: int | None = None) -> torch.Tensor:
@@ -52,7 +57,7 @@ def yes_probability(logits: torch.Tensor, yes_id: int, no_id: int | None = None)
 
 class VQAScoreOptions(Options):
     question: str = Field(QUESTION, description="the question asked of each image; `{prompt}` is replaced by the "
-                                                "original prompt (VQAScore's template for Qwen2-VL by default)")
+                                                "original prompt (VQAScore's template for Qwen-VL by default)")
     over: Literal["vocabulary", "yes_no"] = Field("vocabulary", description="P(Yes) over the whole vocabulary "
                                                                             "(VQAScore) or over Yes and No only")
 
@@ -69,26 +74,37 @@ class VQAScoreOptions(Options):
         return question
 
 
+def model_class(name: str, path: str):
+    """The `transformers` class of the Qwen-VL checkpoint at `path`, by its config's model_type."""
+    import transformers
+    from transformers import AutoConfig
+    model_type = AutoConfig.from_pretrained(path).model_type
+    if model_type not in MODEL_CLASSES:
+        raise ValueError(f"vqa_score: the model '{name}' has model_type '{model_type}'; vqa_score loads "
+                         f"{' or '.join(MODEL_CLASSES)} (Qwen2-VL, Qwen2.5-VL)")
+    return getattr(transformers, MODEL_CLASSES[model_type])
+
+
 class VQAScore(RewardModel):
-    """VQAScore with a Qwen2-VL-class model (see the module docstring)."""
+    """VQAScore with a Qwen2-VL or Qwen2.5-VL model (see the module docstring)."""
     Options = VQAScoreOptions
     default_model = "Qwen/Qwen2-VL-2B-Instruct"
     packages = ("transformers",)
 
     def __init__(self, options: VQAScoreOptions, device: torch.device):
         super().__init__(options, device)
-        from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
-        path = local_model(self.model_name)
+        from transformers import AutoImageProcessor, AutoTokenizer
+        path = local_model(self.model_name, options.revision)
+        model = model_class(self.model_name, path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.image_processor = AutoImageProcessor.from_pretrained(path)
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=self.dtype).to(device).eval() \
-            .requires_grad_(False)
+        self.model = pretrained(model, path, self.dtype, device).eval().requires_grad_(False)
         self.yes_id, self.no_id = (self.tokenizer.encode(a, add_special_tokens=False)[0] for a in ANSWERS)
         if self.yes_id == self.no_id:
             raise ValueError(f"'{self.model_name}': Yes and No begin with the same token")
 
     def inputs(self, images: np.ndarray, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """The model's inputs for a batch, left-padded, as `Qwen2VLProcessor` would make them."""
+        """The model's inputs for a batch, left-padded, as the model's processor would make them."""
         image_id = self.model.config.image_token_id
         image_token = self.tokenizer.convert_ids_to_tokens(image_id)
         vision = self.image_processor(images=pil_images(images), return_tensors="pt")

@@ -1,4 +1,4 @@
-"""Tiny random CLIP models for the CLIP-based reward terms (experts/hub.py `tiny:clip`, `tiny:aesthetic`).
+"""Tiny random CLIP models for the CLIP-based reward terms (common/hub.py `tiny:clip`, `tiny:aesthetic`).
 
 `tiny_clip` saves a two-layer `CLIPModel` with a `CLIPProcessor` (a byte-level tokenizer, so any
 prompt file reads, and a `CLIPImageProcessor`, PIL-backed without torchvision) in the layout `CLIPModel.from_pretrained` and
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from experts.tiny_hf import byte_tokenizer
+from common.tiny_tokenizer import byte_tokenizer
 
 PROJECTION = 32   # the embedding width: the aesthetic head's input
 TEXT_LENGTH = 77  # CLIP's context, as the real tokenizers truncate to

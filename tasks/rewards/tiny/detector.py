@@ -1,4 +1,4 @@
-"""Tiny random open-vocabulary detectors for the `geneval` reward (experts/hub.py `tiny:owlv2`).
+"""Tiny random open-vocabulary detectors for the `geneval` reward (common/hub.py `tiny:owlv2`).
 
 `tiny_owlv2` saves an `Owlv2ForObjectDetection` with an `Owlv2Processor` in the layout of
 `google/owlv2-base-patch16-ensemble`; `tiny_grounding_dino` a `GroundingDinoForObjectDetection`
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from experts.tiny_hf import byte_tokenizer
+from common.tiny_tokenizer import byte_tokenizer
 
 IMAGE_SIZE = 32
 TEXT_LENGTH = 64  # queries are padded to this ("a photo of a baseball glove" is 27 bytes)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from experts.tiny_hf import byte_tokenizer
+from common.tiny_tokenizer import byte_tokenizer
 
 IMAGE_SIZE = 32
 STD = 0.3  # weights this large make what it reads depend on the image (0.02 reads the same for all)

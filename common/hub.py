@@ -1,0 +1,148 @@
+"""Where a model named in the config is read from: a local folder, a hub id, or `tiny:<kind>`.
+
+A hub id (`org/name`, at the config's `revision`) is fetched into the Hugging Face cache by one
+process per node: the first to ask downloads it under a file lock in the cache, the others wait for
+the lock and find every file there. Only what loading reads is fetched (a pipeline's components, a
+model's configs, tokenizer and safetensors weights), and every loader then reads that local folder,
+so none can reach another revision. The client's HF_* settings (token, cache, endpoint, offline)
+travel to every actor with `hub_env` (cluster/runtime.py).
+
+`tiny:<kind>` is a tiny random model of a real architecture (Qwen2, SD3, CLIP, OWLv2, TrOCR,
+Qwen2-VL, …), built in-process by a seeded builder and saved once in the `transformers`/`diffusers`
+layout under a cache folder; it is then loaded by the very code a real checkpoint goes through. So
+tests and the `prompts-tiny` preset need no hub, and a run with real models differs only in names.
+The cache is `$JOINTRL_TINY_CACHE`, else `~/.cache/jointrl/tiny`; builds are atomic (a folder is
+renamed into place), so actors that ask at once all end up reading the same files.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+TINY = "tiny:"
+# kind -> builder `package.module:function(out_dir) -> out_dir`; bump a kind's suffix when its builder changes
+BUILDERS = {
+    "qwen2": "experts.tiny_hf:tiny_text_lm",
+    "sd3": "experts.tiny_hf:tiny_text_sd3",
+    "flux1": "experts.tiny.flux1:tiny_flux1",
+    "flux2_klein": "experts.tiny.flux2:tiny_flux2_klein",
+    "qwen_image": "experts.tiny.qwen_image:tiny_qwen_image",
+    "clip": "tasks.rewards.tiny.clip:tiny_clip",
+    "aesthetic": "tasks.rewards.tiny.clip:tiny_aesthetic",
+    "owlv2": "tasks.rewards.tiny.detector:tiny_owlv2",
+    "grounding_dino": "tasks.rewards.tiny.detector:tiny_grounding_dino",
+    "trocr": "tasks.rewards.tiny.ocr:tiny_trocr",
+    "qwen2_vl": "tasks.rewards.tiny.vqa:tiny_qwen2_vl",
+    "qwen2_5_vl": "tasks.rewards.tiny.vqa:tiny_qwen2_5_vl",
+}
+VERSION = "v1"
+
+
+def is_tiny(spec: str | None) -> bool:
+    return bool(spec) and spec.startswith(TINY)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("JOINTRL_TINY_CACHE") or Path.home() / ".cache" / "jointrl" / "tiny")
+
+
+# what loading a transformers model reads beside its weights: configs, tokenizers, processors, chat templates
+MODEL_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+_fetched: dict[tuple[str, str | None, bool], str] = {}  # (hub id, revision, weights) -> its folder, in this process
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model a config names (a folder, hub id or `tiny:<kind>`), the revision to load, and whether
+    its weights are read (not for a processor or tokenizer taken from a model's repo)."""
+    name: str
+    revision: str | None = None
+    weights: bool = True
+
+    @property
+    def on_hub(self) -> bool:
+        return not is_tiny(self.name) and not Path(self.name).expanduser().is_dir()
+
+
+def local_model(spec: str, revision: str | None = None, weights: bool = True) -> str:
+    """The folder to load `spec` from: a `tiny:<kind>` built first if not cached, a local folder as
+    it is, a hub id fetched at `revision` (None: its default branch) into the Hugging Face cache,
+    without its weights unless `weights`."""
+    if is_tiny(spec):
+        return tiny_model(spec)
+    if Path(spec).expanduser().is_dir():
+        return str(Path(spec).expanduser())
+    return fetch(spec, revision, weights)
+
+
+def hub_env() -> dict[str, str]:
+    """This process's Hugging Face client settings (HF_TOKEN, HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE,
+    HF_ENDPOINT, …: every HF_* variable set), for an actor on another node to read the same hub with
+    the same token into the same cache."""
+    return {k: v for k, v in os.environ.items() if k.startswith("HF_")}
+
+
+def fetch(repo: str, revision: str | None, weights: bool = True) -> str:
+    """The cached folder of hub model `repo` at `revision`, downloaded once per node: under a file
+    lock in the Hugging Face cache, so that N actors of a node asking at once make one download (the
+    first downloads; the others wait, then find every file cached and download nothing)."""
+    key = (repo, revision, weights)
+    if key not in _fetched:
+        from filelock import FileLock
+        with FileLock(lock_file(repo)):
+            _fetched[key] = download(repo, revision, weights)
+    return _fetched[key]
+
+
+def lock_file(repo: str) -> Path:
+    """The node's lock on fetching `repo`: in the Hugging Face cache the actors share (HF_HUB_CACHE)."""
+    from huggingface_hub import constants
+    path = Path(constants.HF_HUB_CACHE) / ".locks" / "jointrl" / f"{repo.replace('/', '--')}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def download(repo: str, revision: str | None, weights: bool = True) -> str:
+    """What loading `repo` at `revision` reads, into the cache; its folder. A diffusers pipeline
+    (with a model_index.json): the components its pipeline loads, as DiffusionPipeline picks them
+    (a repo's single-file checkpoints and other variants are skipped). Else a transformers model:
+    its configs, tokenizer and processor files and, if `weights`, its safetensors weights (its .bin
+    ones where it has none). Files already cached are not downloaded again (the hub client
+    compares them)."""
+    from huggingface_hub import snapshot_download
+    folder = snapshot_download(repo, revision=revision, allow_patterns=MODEL_FILES)
+    if not weights:
+        return folder
+    if (Path(folder) / "model_index.json").is_file():
+        from diffusers import DiffusionPipeline
+        return DiffusionPipeline.download(repo, revision=revision)
+    for weights in ("*.safetensors", "*.bin"):
+        folder = snapshot_download(repo, revision=revision, allow_patterns=[*MODEL_FILES, weights])
+        if any(Path(folder).rglob(weights)):
+            break
+    return folder
+
+
+def tiny_model(spec: str) -> str:
+    """The folder of the tiny random model `tiny:<kind>`, built first if not cached."""
+    kind = spec[len(TINY):]
+    if kind not in BUILDERS:
+        raise ValueError(f"unknown tiny model '{spec}'; there are {[TINY + k for k in BUILDERS]}")
+    out = cache_root() / f"{kind}-{VERSION}"
+    if not out.is_dir():
+        module, _, name = BUILDERS[kind].partition(":")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=out.parent))
+        try:
+            getattr(importlib.import_module(module), name)(tmp)
+            os.rename(tmp, out)
+        except OSError:
+            if not out.is_dir():  # not someone else's build that got there first
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
