@@ -148,6 +148,7 @@ def measure_child(path: str, image_size: int, text: int, checkpointing: bool) ->
     from driver.plan import generator_expert
     from experts.frontend import build_frontend
     from experts.kinds import build_model
+    from experts.trajectories import split_shared
     from experts.weights import reference_of
     from tasks.base import TextPrompt
     update = load_bench_update()
@@ -165,7 +166,9 @@ def measure_child(path: str, image_size: int, text: int, checkpointing: bool) ->
     sigmas = frontend.sigmas(STEPS)
     with torch.no_grad():
         states, logps = sample(lambda x, s: policy(x, s, **cond), noise, sigmas, 0.7, torch.ones(STEPS, dtype=torch.bool))
-    batch = {"states": states, "logps": logps, "sigmas": sigmas, "cond": cond}
+    per_sample, shared = split_shared(cond)
+    batch = {"states": states, "state_steps": torch.arange(STEPS + 1), "logps": logps, "sigmas": sigmas,
+             "cond": per_sample, "shared_cond": shared}
     reference = reference_of(policy)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     peaks = []

@@ -294,25 +294,22 @@ def refiner_expert(config: Config, eid: str, rank: int) -> ActorPlan:
                      {k: int(v) for k, v in parts.items()}, advice)
 
 
-def reward_models(term) -> dict[str, tuple[str, str]]:
-    """The models a reward term loads: option name -> (model, dtype)."""
+def reward_models(term) -> list[tuple[str, str | None, str]]:
+    """The models with weights a reward term loads: (model, revision, dtype) each."""
     from tasks.rewards import is_model, resolve
     found = resolve(term.fn)
-    if not is_model(found):
-        return {}
+    if not is_model(found) or not hasattr(found, "models"):
+        return []
     options = term.options()
-    scorer = object.__new__(found)  # its own `model_name` (a default per detector, per term)
-    scorer.options = options
-    models = {"model": getattr(scorer, "model_name", None), "clip_model": getattr(options, "clip_model", None)}
-    return {k: (v, options.dtype) for k, v in models.items() if isinstance(v, str)}
+    return [(ref.name, ref.revision, options.dtype) for ref in found.models(options) if ref.weights]
 
 
 def reward_parts(term) -> tuple[dict[str, int], dict[str, int]]:
     """(parameter counts, bytes) of a term's models at its batch size."""
     params, parts = {}, {}
     batch = getattr(term.options(), "batch_size", 1)
-    for path, dtype in reward_models(term).values():
-        arch = reward_architecture(path, dtype)
+    for path, revision, dtype in reward_models(term):
+        arch = reward_architecture(path, dtype, revision)
         params[path] = arch.params
         parts[f"weights: {path}"] = arch.params * DTYPE_BYTES[dtype]
         parts[f"activations: {path} x {batch}"] = arch.per_image * batch

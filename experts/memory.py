@@ -487,8 +487,9 @@ class RewardArchitecture:
 
 
 @functools.lru_cache(maxsize=16)
-def reward_architecture(path: str, dtype: str) -> RewardArchitecture:
-    model = meta_pretrained(config_folder(path)).to(dtype_of(dtype))
+def reward_architecture(path: str, dtype: str, revision: str | None = None) -> RewardArchitecture:
+    """A reward model (a transformers checkpoint) in `dtype`: its count and one image's working set."""
+    model = meta_pretrained(config_folder(path, revision)).to(dtype_of(dtype))
     vision = getattr(model, "vision_model", None) or getattr(model, "encoder", None) \
         or getattr(getattr(model, "owlv2", None), "vision_model", None) or getattr(model, "visual", None)
     config = getattr(vision, "config", None)

@@ -28,8 +28,11 @@ def test_every_gpu_preset_fits_its_target_on_whole_gpus(preset):
         assert isinstance(actor["gpus"], list) and all(isinstance(g, int) for g in actor["gpus"])
         assert all(isinstance(n, int) and n >= 0 for n in actor["params"].values())
         assert all(isinstance(b, int) and b >= 0 for b in actor["bytes"].values())
-        if name.startswith(("expert/", "rollout/", "reward/")):  # every GPU preset puts these on a GPU
+        if name.startswith(("expert/", "rollout/")):  # every GPU preset puts these on a GPU
             assert len(actor["gpus"]) == 1 and actor["bytes"] and actor["params"], name
+        if name.startswith("reward/"):  # on a GPU as its term asks (OCR's PP-OCRv4 reads on the CPU)
+            asked = config.reward.pools()[name.split("/")[1]][1].num_gpus > 0
+            assert len(actor["gpus"]) == asked and (actor["params"] or not asked), name
     for gpu in plan.gpus:
         assert gpu.bytes <= target.usable, (gpu.id, gpu.bytes)
         assert gpu.bytes == sum(plan.actors[a].total for a in gpu.actors)
