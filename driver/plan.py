@@ -183,16 +183,16 @@ def guided(spec: GeneratorConfig) -> int:
     return 2 if getattr(spec.model, "guidance_scale", 1.0) > 1.0 else 1
 
 
-def training_state(trained: int, frozen: int, dtype_bytes: int, ranks: int, fsdp: bool,
-                   low_precision_trained: bool) -> dict[str, int]:
-    """Parameters, gradients, moments and frozen copies of one rank (see the module docstring);
-    `low_precision_trained`: the trained parameters are of the model's 16-bit dtype (a full
-    fine-tune; an adapter is built in fp32), so the update computes through 16-bit copies of them."""
-    shard = ranks if fsdp else 1
-    copies = {"16-bit compute copies": dtype_bytes * trained} if low_precision_trained and not fsdp else {}
+def training_state(trained: int, frozen: int, dtype: str, ranks: int, fsdp: bool, lora: bool) -> dict[str, int]:
+    """Parameters, gradients, moments and frozen weights of one rank (see the module docstring):
+    `frozen` is the reference copy of a full fine-tune, or the base under a LoRA adapter; a full
+    fine-tune of a 16-bit model computes through 16-bit copies of its fp32 parameters (an adapter
+    is built in fp32; under fsdp the copies are the gathered blocks)."""
+    shard, width = (ranks if fsdp else 1), DTYPE_BYTES[dtype]
+    copies = {f"{dtype} compute copies": width * trained} if width == 2 and not lora and not fsdp else {}
     return {"trained params (fp32)": 4 * trained // shard, "grads (fp32)": 4 * trained // shard,
-            "optimizer (fp32 AdamW moments)": 8 * trained // shard, "frozen weights": dtype_bytes * frozen // shard,
-            **copies}
+            "optimizer (fp32 AdamW moments)": 8 * trained // shard,
+            f"{'frozen base' if lora else 'reference copy'} ({dtype})": width * frozen // shard, **copies}
 
 
 def generator_expert(config: Config, rank: int) -> ActorPlan:
@@ -207,8 +207,8 @@ def generator_expert(config: Config, rank: int) -> ActorPlan:
     arch = generator_architecture(m, config.task.image_size)
     width = DTYPE_BYTES[m.dtype]
     trained, frozen = (arch.lora, arch.transformer) if m.lora else (arch.transformer, arch.transformer)
-    parts = training_state(trained, frozen, width, ranks, fsdp, width == 2 and not m.lora) if spec.train \
-        else {"frozen weights": width * arch.transformer}
+    parts = training_state(trained, frozen, m.dtype, ranks, fsdp, bool(m.lora)) if spec.train \
+        else {f"frozen weights ({m.dtype})": width * arch.transformer}
     if fsdp:
         gathered = arch.transformer * width if par.defer_gradient_sync else 2 * arch.largest_block * width
         parts["fsdp gathered blocks"] = gathered + (arch.transformer * 4 if par.defer_gradient_sync and not m.lora else 0)
@@ -221,7 +221,7 @@ def generator_expert(config: Config, rank: int) -> ActorPlan:
     advice = generator_advice(config, arch, batch, ac)
     notes = [f"a pass through the transformer: {arch.image_tokens} image tokens (latent "
              f"{'x'.join(map(str, arch.latent_shape))}) + {arch.text_tokens} text tokens; {batch} passes per backward "
-             f"pass ({spec.micro_batch or share} transitions{', doubled by guidance' if batch > (spec.micro_batch or share) else ''}), "
+             f"pass ({spec.micro_batch or share} transition(s){', doubled by guidance' if batch > (spec.micro_batch or share) else ''}), "
              f"activation checkpointing {'on' if ac else 'off'}: {arch.train.kept(batch, ac) / GB:.1f} GB kept "
              f"({arch.train.kept(batch, not ac) / GB:.1f} GB {'without' if ac else 'with'} it)"]
     return ActorPlan(name, "update", wants_gpu(spec.resources), {"transformer": arch.transformer, "lora": arch.lora},
@@ -253,7 +253,7 @@ def tiny_generator_expert(config: Config, name: str, share: int) -> ActorPlan:
     tokens = (side // m.patch) ** 2 + config.text_len()
     batch = spec.micro_batch or share
     latent = 3 * side * side
-    parts = {**training_state(params, params, 4, 1, False, False),
+    parts = {**training_state(params, params, "float32", 1, False, False),
              "activations (one micro-batch)": batch * tokens * m.d_model * m.n_layers * TINY_ACTIVATION,
              "trajectories (one step)": step_samples(config) * (trajectory_states(spec) * latent * 4
                                                                 + config.text_len() * config.experts.text_encoder.d_model * 4)}
@@ -271,14 +271,14 @@ def refiner_expert(config: Config, eid: str, rank: int) -> ActorPlan:
     if m.kind == "tiny_lm":
         from experts.kinds import build_model
         params = sum(p.numel() for p in build_model(config, eid, fresh=True).parameters())
-        parts = {**training_state(params, params, 4, 1, False, False),
+        parts = {**training_state(params, params, "float32", 1, False, False),
                  "activations (one micro-batch)": batch * seq * m.d_model * m.n_layers * TINY_ACTIVATION}
         return ActorPlan(name, "update", wants_gpu(spec.resources), {"lm": params}, parts)
     arch = lm_architecture(m)
     width = DTYPE_BYTES[m.dtype]
     trained, frozen = (arch.lora, arch.params) if m.lora else (arch.params, arch.params)
-    parts = training_state(trained, frozen, width, ranks, fsdp, width == 2 and not m.lora) if spec.train \
-        else {"frozen weights": width * arch.params}
+    parts = training_state(trained, frozen, m.dtype, ranks, fsdp, bool(m.lora)) if spec.train \
+        else {f"frozen weights ({m.dtype})": width * arch.params}
     ac = par.activation_checkpointing
     # fp32 logits at the generated tokens: the policy's, their log-softmax and its gradient; the reference's
     logits = batch * spec.max_new_tokens * arch.vocab * 4 * (3 + (spec.kl_beta > 0))
@@ -522,7 +522,7 @@ def report(plan: Plan) -> str:
     for a in plan.actors.values():
         where = f"GPU {a.gpus[0]}" + (f" (a {a.share:.2g} share)" if a.share < 1 else "") if a.gpus else "no GPU"
         lines.append(f"{a.name} [{where}, {a.phase}]: {a.total / GB:.2f} GB"
-                     + ("; params " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in a.params.items()) if a.params else ""))
+                     + ("; params " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in a.params.items() if v) if a.params else ""))
         lines += [f"    {part}: {b / GB:.3f} GB" for part, b in a.bytes.items() if b]
         lines += [f"    ({note})" for note in a.notes]
     lines.append(f"\nhost memory: {plan.host_bytes / GB:.2f} GB (the actors without a GPU, and one step's "
