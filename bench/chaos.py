@@ -1,8 +1,8 @@
 """Chaos: a run of K steps on local Ray with random faults of every kind at random moments.
 
 Faults: an expert, a rollout worker or the weight-sync actor killed (`ray.kill`, restart allowed),
-a reward that raises, returns NaN or hangs past `reward.timeout_s` on some samples, and with
-`--node-every` the loss of the node hosting a random expert or rollout worker (three simulated
+a reward that raises, returns NaN or hangs past its deadline (`reward.timeout_s`) on some samples,
+and with `--node-every` the loss of the node hosting a random expert or rollout worker (three simulated
 nodes, `ray.cluster_utils.Cluster`; a fresh node joins after each loss, as an autoscaler's would).
 It prints the faults injected and survived, steps lost, duplicate updates and version regressions
 (each must be 0), and the slowdown against a fault-free run of the same config on the same cluster.
@@ -65,7 +65,7 @@ def config(steps: int, run_name: str, chaos: bool, nodes: bool):
         sets += [f"cluster.rollout_{share}"] + [f"experts.{e}.{share}" for e in
                                                ("refiner_0", "refiner_1", "refiner_2", "generator")]
     if chaos:
-        sets += ["reward.terms.image.fn=chaos:flaky_reward", "reward.timeout_s=0.5"]
+        sets += ["reward.terms.image.fn=chaos:flaky_reward", "reward.timeout_s=0.5", "reward.timeout_per_image_s=0"]
     cfg = load_config("shapes-tiny", sets)
     cfg.trainer.run_name = run_name
     return cfg

@@ -25,10 +25,13 @@ lever: the frozen base generator drawing from the trained refiners' prompts agai
 the base refiners' (and from the original prompt).
 
 The benchmark's settings (BENCH) were fixed from generator-only's curve alone, before any joint
-method was compared; bench/results/learning.md says why each is what it is. Usage:
-  python bench/learning.py [--quick] [--seeds 5] [--methods generator_only ...] [--jobs 2]
-Tuning a method (bench/results/learning_tuning.md): `--tune KEY=VALUE` changes the methods run but
-not generator-only, the reference, whose runs are reused; tuned runs have their own folders.
+method was compared; bench/results/learning_settings.notes.md says why each is what it is. Usage:
+  python bench/learning.py [--quick] [--seeds 5] [--methods generator_only ...] [--jobs 2] [--name NAME]
+Tuning a method (bench/results/learning_tuning.notes.md): `--tune KEY=VALUE` changes the methods run
+but not generator-only, the reference, whose runs are reused; tuned runs have their own folders.
+A finished run is reused only if it was made with the same overrides by the same code and from the
+same base (code_digest: the files of CODE and every file a run starts from); else it is run again.
+The script writes NAME.md and NAME.png (default `learning`) and nothing else in --out.
 """
 from __future__ import annotations
 
@@ -65,8 +68,8 @@ TEXT_STUDY = ("counterfactual", "per_expert", "shared")
 TRANSFER = ("prompt_only", "promptrl_shared", "promptrl_counterfactual")  # refiners paid by the image term
 # Every method with refiners keeps them nearer their supervised start than beta_LM=0.01 does
 # (measured: with 0.01 they drift, after ~700 rollouts, to words that cost image reward).
-REFINERS = [f"experts.refiner_{i}.kl_beta=0.1" for i in range(3)]
-# Fixed from generator-only's curve (bench/results/learning.md, "Settings"), not from any joint method.
+REFINERS = ["experts.refiner_defaults.kl_beta=0.1"]
+# Fixed from generator-only's curve (bench/results/learning_settings.notes.md), not from any joint method.
 BENCH = ["evaluation.every=10", "evaluation.per_category=100", "evaluation.batch_size=50",
          "trainer.prompts_per_step=8", "trainer.steps=150"]
 QUICK = ["evaluation.every=2", "evaluation.per_category=3", "trainer.prompts_per_step=2", "trainer.steps=4",
@@ -78,6 +81,9 @@ SMOOTH = 2       # a curve reaches a target when the mean of two consecutive eva
 # 0.01 wobble (the x of generator-only's own seeds spreads by 0.40); 80% of its gain from the base
 # is reached on the rise, where its seeds spread by 0.22. Both are reported; the first is the bar.
 GAIN = 0.8
+# The code that makes a run's numbers: a finished run is reused only if these folders' files and the
+# base's are what they were when it was made.
+CODE = ("algorithm", "experts", "tasks", "common")
 
 
 def parse_args():
@@ -87,7 +93,8 @@ def parse_args():
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                    help="the methods to run (generator_only is always run: it is the reference)")
     p.add_argument("--jobs", type=int, default=2, help="runs at once (each uses one thread)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where learning.md/png go")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the report and plot go")
+    p.add_argument("--name", default="learning", help="the report's and plot's file name, NAME.md and NAME.png")
     p.add_argument("--work", type=Path, default=None, help="where runs go (default: runs/bench-learning[-quick])")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override applied to every method (a method setting, not the benchmark)")
@@ -116,15 +123,28 @@ def run_path(work: Path, method: str, seed: int, tune: list[str]) -> Path:
     return work / f"{method}{tag}-seed{seed}"
 
 
-def run_one(method: str, seed: int, overrides: list[str], tune: list[str], work: Path) -> Path:
+def code_digest(config) -> str:
+    """sha256 of the files under CODE and of the files the runs start from (every expert's `init`,
+    the text encoder's: the base), by path and content."""
+    code = sorted(p for d in CODE for p in (ROOT / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    inits = {s.init for s in [*config.experts.sections().values(), config.experts.text_encoder] if s.init}
+    digest = hashlib.sha256()
+    for path, name in [*((p, p.relative_to(ROOT)) for p in code), *((Path(f), Path(f).name) for f in sorted(inits))]:
+        data = path.read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()[:16]
+
+
+def run_one(method: str, seed: int, overrides: list[str], tune: list[str], work: Path, code: str) -> Path:
     """Train with the CLI (inline, one thread; the evaluations are in its metrics), then measure the
-    refiners' lever in a subprocess; a finished run made with the same settings is reused."""
+    refiners' lever in a subprocess; a finished run made with the same settings by the same code
+    (`code`, code_digest) is reused."""
     run_dir = run_path(work, method, seed, tune)
     sets = method_sets(overrides, method, seed, tune)
-    if finished(run_dir, sets):
+    if finished(run_dir, sets, code):
         return run_dir
     if run_dir.exists():
-        shutil.rmtree(run_dir)  # unfinished, or made with other settings
+        shutil.rmtree(run_dir)  # unfinished, or made with other settings or code
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     log = run_dir.with_name(run_dir.name + ".log")
     work.mkdir(parents=True, exist_ok=True)
@@ -136,14 +156,15 @@ def run_one(method: str, seed: int, overrides: list[str], tune: list[str], work:
         for cmd in (train, lever):
             if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode:
                 raise RuntimeError(f"{method} seed {seed} failed; see {log}")
-    (run_dir / "bench_sets.json").write_text(json.dumps(sets))
+    (run_dir / "bench_sets.json").write_text(json.dumps({"sets": sets, "code": code}))
     print(f"bench: {method} seed {seed} done in {time.perf_counter() - start:.0f} s", flush=True)
     return run_dir
 
 
-def finished(run_dir: Path, sets: list[str]) -> bool:
+def finished(run_dir: Path, sets: list[str], code: str) -> bool:
+    """Whether `run_dir` holds a whole run made with `sets` by the code and base `code` names."""
     marker = run_dir / "bench_sets.json"
-    return marker.is_file() and json.loads(marker.read_text()) == sets
+    return marker.is_file() and json.loads(marker.read_text()) == {"sets": sets, "code": code}
 
 
 def measure_lever(run_dir: Path) -> None:
@@ -209,19 +230,23 @@ def measure_transfer(gen_run: Path, refiner_runs: list[Path]) -> None:
     (gen_run / "transfer.json").write_text(json.dumps(out, indent=1))
 
 
-def run_transfer(work: Path, seed: int, methods: list[str]) -> dict | None:
-    """The transfer measurement for one seed (a subprocess, one thread), reused when it has them all."""
+def run_transfer(work: Path, seed: int, methods: list[str], code: str) -> dict | None:
+    """The transfer measurement for one seed (a subprocess, one thread), reused when it has them all
+    and was made from runs of the same code (`code`)."""
     gen_run, path = work / f"generator_only-seed{seed}", work / f"generator_only-seed{seed}" / "transfer.json"
+    marker = path.with_name("transfer_code.txt")
     methods = [m for m in methods if m in TRANSFER]
     if not methods:
         return None
-    if not (path.is_file() and set(methods) <= set(json.loads(path.read_text()))):
+    if not (path.is_file() and set(methods) <= set(json.loads(path.read_text()))
+            and marker.is_file() and marker.read_text() == code):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--transfer", str(gen_run),
                *[str(work / f"{m}-seed{seed}") for m in methods]]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         with open(work / f"transfer-seed{seed}.log", "w") as out:
             if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode:
                 raise RuntimeError(f"the transfer measurement of seed {seed} failed; see {out.name}")
+        marker.write_text(code)
     return json.loads(path.read_text())
 
 
@@ -379,11 +404,13 @@ def transfer_section(transfer: dict[int, dict | None], stats: dict) -> list[str]
 def write_report(path: Path, stats: dict, info: dict, settings: dict, transfer: dict | None = None) -> None:
     quick = " --quick" if settings["quick"] else ""
     flags = quick + " --transfer-study" * bool(transfer) + "".join(f" --tune {t}" for t in settings["tune"])
+    flags += f" --name {path.stem}" if path.stem != "learning" else ""
     lines = [f"# Learning benchmark: PromptRL's joint RL against generator-only Flow-GRPO{' (quick smoke run)' if quick else ''}",
              "", f"Written by `python bench/learning.py{flags}` on {settings['date']} in {settings['minutes']:.1f} min "
              f"({settings['reused']} of {settings['runs']} runs reused from an earlier invocation). "
              f"{settings['seeds']} seeds per method, {settings['steps']} steps of {settings['per_step']} rollouts "
-             f"each ({settings['steps'] * settings['per_step']} per run), all from the base `{settings['base']}`; "
+             f"each ({settings['steps'] * settings['per_step']} per run), all from the base `{settings['base']}` "
+             f"(code and base digest `{settings['code']}`); "
              f"strict accuracy on {settings['per_category']} held-out prompts per category (and their paraphrases), "
              f"evaluated every {settings['every']} steps.", "",
              f"Primary measure: strict held-out accuracy as the method is used (refined where it has refiners), "
@@ -474,28 +501,30 @@ def main() -> int:
     work = args.work or ROOT / "runs" / ("bench-learning-quick" if args.quick else "bench-learning")
     overrides = [*bench, *args.overrides]
     config = load_config("shapes", [*overrides, *args.tune])  # a bad override is refused before anything runs
+    code = code_digest(config)
     methods = ["generator_only", *[m for m in args.methods if m != "generator_only"]]
     jobs = [(m, seed) for seed in range(seeds) for m in methods]
-    reused = sum(finished(run_path(work, m, seed, args.tune), method_sets(overrides, m, seed, args.tune))
+    reused = sum(finished(run_path(work, m, seed, args.tune), method_sets(overrides, m, seed, args.tune), code)
                  for m, seed in jobs)
     with ThreadPoolExecutor(args.jobs) as pool:
-        dirs = list(pool.map(lambda job: run_one(*job, overrides, args.tune, work), jobs))
+        dirs = list(pool.map(lambda job: run_one(*job, overrides, args.tune, work, code), jobs))
     runs: dict[str, dict[int, dict]] = {m: {} for m in methods}
     for (m, seed), d in zip(jobs, dirs):
         runs[m][seed] = load(d, m)
     stats, info = summarise(runs)
-    transfer = {seed: run_transfer(work, seed, methods) for seed in range(seeds)} if args.transfer_study else {}
+    transfer = {seed: run_transfer(work, seed, methods, code) for seed in range(seeds)} if args.transfer_study else {}
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {"quick": args.quick, "runs": len(jobs), "reused": reused, "date": time.strftime("%Y-%m-%d"),
                 "minutes": (time.perf_counter() - start) / 60, "seeds": seeds, "steps": config.trainer.steps,
                 "per_step": config.trainer.prompts_per_step * config.algorithm.group_size,
                 "per_category": config.evaluation.per_category, "every": config.evaluation.every, "bench": bench, "overrides": args.overrides,
                 "tune": args.tune,
-                "base": Path(config.experts.generator.init).parent.name}
-    write_report(args.out / "learning.md", stats, info, settings, transfer)
-    plot(args.out / "learning.png", runs, info)
-    print((args.out / "learning.md").read_text())
-    print(f"bench: wrote {args.out / 'learning.md'} and {args.out / 'learning.png'}")
+                "base": Path(config.experts.generator.init).parent.name, "code": code}
+    report, picture = args.out / f"{args.name}.md", args.out / f"{args.name}.png"
+    write_report(report, stats, info, settings, transfer)
+    plot(picture, runs, info)
+    print(report.read_text())
+    print(f"bench: wrote {report} and {picture}")
     return 0
 
 

@@ -198,11 +198,12 @@ def main() -> int:
                               f"Generator-only `shapes` plus a reward model of {passes} scorer passes "
                               f"(calibrated here so that the rollout takes as long as the update), {steps} "
                               f"steps, medians after {warm}."))
-    if not args.skip_sync:
-        sync_md = out.with_name("sync.md" if not args.quick else "sync-quick.md")
-        subprocess.run([sys.executable, str(ROOT / "bench" / "sync.py"), "--out", str(sync_md),
-                        *(["--quick"] if args.quick else [])], check=True, stdout=subprocess.DEVNULL)
-        sections.append(["## Weight sync and memory", "", sync_md.read_text().split("\n", 2)[2]])
+    if not args.skip_sync:  # bench/sync.py's table, into a file of this run's: sync.md is sync.py's own
+        with tempfile.TemporaryDirectory(prefix="jointrl-perf-sync-") as tmp:
+            sync_md = Path(tmp) / "sync.md"
+            subprocess.run([sys.executable, str(ROOT / "bench" / "sync.py"), "--out", str(sync_md),
+                            *(["--quick"] if args.quick else [])], check=True, stdout=subprocess.DEVNULL)
+            sections.append(["## Weight sync and memory", "", sync_md.read_text().split("\n", 2)[2]])
     head = [f"# Performance (`python bench/perf.py{' --quick' if args.quick else ''}`, {time.strftime('%Y-%m-%d')}, "
             f"{os.cpu_count()} cores, local Ray)", ""]
     text = "\n".join(head + [line for s in sections for line in s]) + "\n"

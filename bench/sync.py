@@ -10,7 +10,7 @@ sync:   time to deliver a generator of ~S MB to W rollout workers. jointrl's pat
         broadcasts its weights into every worker, which checks the fingerprint.
 memory: what W workers holding the generator add to the machine (their private memory plus the
         object-store copy they map) against W private copies (`cluster.share_weights=false`).
-Prints a table and writes bench/results/sync.md (also part of `make bench`).
+Prints a table and writes bench/results/sync.md (`make bench-sync`; `make bench` prints it in perf.md).
 Usage: python bench/sync.py [--sizes 10 100 400] [--workers 1 2 4] [--repeats 5] [--quick]
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import ray  # noqa: E402
 
 from cluster.expert_actor import ExpertActor  # noqa: E402
 from cluster.rollout_worker import RolloutWorker  # noqa: E402
-from cluster.runtime import get  # noqa: E402
+from cluster.runtime import Runtime, get  # noqa: E402
 from cluster.weight_sync import WeightSyncActor  # noqa: E402
 from driver.config import load_config  # noqa: E402
 from experts.kinds import build_model  # noqa: E402
@@ -81,19 +81,22 @@ def private_kib(pid: int) -> int:
     return sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty"))
 
 
-def spawn_workers(cfg, n: int, cls=RolloutWorker) -> list:
-    return [ray.remote(cls).options(num_cpus=0).remote(cfg, j) for j in range(n)]
+def spawn_workers(runtime: Runtime, cfg, n: int, cls=RolloutWorker) -> tuple[list, list[str]]:
+    """`n` rollout workers named as a run names them (the weight-sync actor finds them by name)."""
+    names = [f"rollout/{j}" for j in range(n)]
+    return [runtime.spawn(cls, cfg, j, name=name) for j, name in enumerate(names)], names
 
 
 def sync_row(megabytes: float, workers: int, repeats: int, bandwidth: float) -> dict:
     cfg, size = generator_config(megabytes, share=True)
     model = build_model(cfg, "generator", fresh=True)
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
-    pool = spawn_workers(cfg, workers, NaiveWorker)
-    expert = ray.remote(ExpertActor).options(num_cpus=0).remote(cfg, "generator")
-    sync = ray.remote(WeightSyncActor).options(num_cpus=0).remote(pool)
-    broadcaster = ray.remote(WeightSyncActor).options(num_cpus=0).remote(
-        pool, {"generator": expert}, {"backend": "gloo", "timeout_s": 60.0})
+    runtime = Runtime("ray", f"bench-sync-{time.time_ns()}")
+    pool, names = spawn_workers(runtime, cfg, workers, NaiveWorker)
+    expert = runtime.spawn(ExpertActor, cfg, "generator", name="expert/generator")
+    sync = runtime.spawn(WeightSyncActor, runtime.members, names, name="weight_sync")
+    broadcaster = runtime.spawn(WeightSyncActor, runtime.members, names, ["generator"],
+                                {"backend": "gloo", "timeout_s": 60.0}, name="broadcaster")
     expert_sum = get(expert.snapshot.options(num_returns=3).remote()[2]).checksum
     get([w.version_vector.remote() for w in pool])
 
@@ -132,8 +135,9 @@ def memory_row(megabytes: float, workers: int) -> dict:
         small_cfg, _ = generator_config(0, share)
         totals = {}
         for name, c in (("big", cfg), ("small", small_cfg)):
-            pool = spawn_workers(c, workers)
-            sync = ray.remote(WeightSyncActor).options(num_cpus=0).remote(pool)
+            runtime = Runtime("ray", f"bench-memory-{time.time_ns()}")
+            pool, names = spawn_workers(runtime, c, workers)
+            sync = runtime.spawn(WeightSyncActor, runtime.members, names, name="weight_sync")
             weights = {k: v.numpy() for k, v in build_model(c, "generator", fresh=True).state_dict().items()}
             ref = ray.put(weights)
             get(sync.publish.remote({"generator": Release(1, ref, fingerprint(weights))}))

@@ -38,6 +38,10 @@ class ExpertActor(Expert, BroadcastMember):
             self.rendezvous = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         return self.rendezvous.host, self.rendezvous.port
 
+    def device_type(self) -> str:
+        """Where this rank keeps its model ("cuda" or "cpu"): its gang's backend follows from it."""
+        return self.device.type
+
     def send_weights(self, version: int) -> None:
         """Broadcast this expert's weights, at `version`, into every rollout worker (`cluster.sync=collective`)."""
         if version != self.version:

@@ -2,7 +2,8 @@
 
 An expert of `parallel.ranks` = M > 1 is M actors (`expert/<id>` is rank 0, the leader;
 `expert/<id>/rank<r>` the others), each in its own placement bundle, forming one torch.distributed
-process group (gloo between CPU processes, NCCL between GPUs) whose rendezvous the leader hosts.
+process group (gloo between CPU processes; between GPUs `cpu:gloo,cuda:nccl`: NCCL for device
+tensors, gloo for host ones) whose rendezvous the leader hosts.
 Every call that computes goes to every rank; the leader's answer is the expert's (its weights and
 snapshots are whole), and the others' answers are awaited for their errors. A gang is formed again
 (a new generation of its process group) whenever it is restored: at start, on resume, and after
@@ -11,9 +12,11 @@ M = 1, the gang is one actor and no process group is formed.
 """
 from __future__ import annotations
 
+import torch
+
 from cluster.runtime import Runtime, get
 from experts.expert import GangBroken
-from experts.parallel import GangSpec
+from experts.parallel import GangSpec, backend_for
 from experts.records import ShardedOptimizer, ShardFiles, Snapshot
 
 
@@ -42,7 +45,11 @@ class ExpertGang:
         that died; a restore follows, since a rank rebuilt for the new group starts over)."""
         self.generation += 1
         host, port = get(self.leader.open_gang.remote())
-        backend = "nccl" if self.config.expert(self.expert_id).resources.num_gpus > 0 else "gloo"
+        devices = get([r.device_type.remote() for r in self.ranks])
+        if len(set(devices)) > 1:
+            raise RuntimeError(f"{self.expert_id}: its ranks hold their models on {devices}; every rank of an "
+                               f"expert needs a GPU (experts.{self.expert_id}.resources.num_gpus) or none does")
+        backend = backend_for(torch.device(devices[0]))
         spec = GangSpec(host, port, self.generation, len(self.ranks), backend, self.config.cluster.collective_timeout_s)
         get([r.join_gang.remote(spec, i) for i, r in enumerate(self.ranks)])
         self.nodes = get([r.node.remote() for r in self.ranks])
@@ -87,10 +94,13 @@ class ExpertGang:
             optimizer = ShardedOptimizer([call[1] for call in calls])
         return Snapshot(weights, optimizer, info), [call[2] for call in calls[1:]]
 
-    def optimizer_files(self) -> ShardFiles:
-        """A sharded gang's optimizer state as every rank writes it for a checkpoint."""
-        parts = get([r.optimizer_files.remote() for r in self.ranks])
-        return ShardFiles({name: data for part in parts for name, data in part.files.items()}, parts[0].param_groups)
+    def optimizer_files(self) -> list[ShardFiles]:
+        """A sharded gang's optimizer state as every rank writes it for a checkpoint: each rank's
+        ShardFiles as ObjectRefs (its files stay in the object store for the checkpoint's writer),
+        returned once every rank has written them (raising what a rank raised)."""
+        parts = [ShardFiles(*r.optimizer_files.options(num_returns=2).remote()) for r in self.ranks]
+        get([part.param_groups for part in parts])
+        return parts
 
     def actors(self) -> list:
         return list(self.ranks)

@@ -159,15 +159,17 @@ class ExpertGroup:
             self.versions[e] = stats[e]["version"]
 
     def saved_snapshots(self) -> dict[str, Snapshot]:
-        """Every expert's latest snapshot, fetched (for a checkpoint); a sharded expert's optimizer
-        as its ranks write it (they hold that snapshot's state: checkpoints come between steps)."""
-        return {e: Snapshot(get(s.weights), self.optimizer_files(e) if isinstance(s.optimizer, ShardedOptimizer)
-                            else get(s.optimizer), get(s.info))
+        """Every expert's latest snapshot as ObjectRefs, for a checkpoint's writer to fetch; a sharded
+        expert's optimizer as its ranks write it (they hold that snapshot's state: checkpoints come
+        between steps), a list of each rank's ShardFiles."""
+        return {e: Snapshot(s.weights, self.optimizer_files(e) if isinstance(s.optimizer, ShardedOptimizer)
+                            else s.optimizer, s.info)
                 for e, s in self.snapshots.items()}
 
-    def optimizer_files(self, e: str) -> ShardFiles:
-        """Sharded expert `e`'s optimizer state as its ranks write it; a rank lost meanwhile, the
-        gang is restored from its latest snapshot (the state being saved) and writes it again."""
+    def optimizer_files(self, e: str) -> list[ShardFiles]:
+        """Sharded expert `e`'s optimizer state as its ranks write it (`ExpertGang.optimizer_files`);
+        a rank lost meanwhile, the gang is restored from its latest snapshot (the state being saved)
+        and writes it again."""
         files, faults = survive(lambda first: self.gangs[e].optimizer_files(),
                                 lambda: self.gangs[e].restore(*self.snapshots[e]), self.config.cluster.max_restarts,
                                 lost=(GangBroken,))

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import ray
 from ray.exceptions import ObjectLostError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 
 @dataclass
@@ -51,16 +52,32 @@ def in_ray_actor() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
+def here() -> NodeAffinitySchedulingStrategy:
+    """Scheduling on the calling process's node (where the driver keeps what it must not lose)."""
+    return NodeAffinitySchedulingStrategy(this_node(), soft=False)
+
+
+def relay(*values) -> tuple:
+    """Its arguments, returned as they are, and True: run on a node, it leaves a copy of each in that
+    node's object store, owned by the caller; the last value says the copies are made."""
+    return (*values, True)
+
+
 def keep_here(refs: tuple, made_on: str | None) -> tuple:
     """`refs` with their data on this node. An object lives in the store of the node that made it
     and is lost with it; the driver keeps what it restores experts from (their snapshots) on its
-    own node, which a run cannot outlive anyway. Objects made here are kept as they are."""
+    own node, which a run cannot outlive anyway. The copies are made by a task on this node (`relay`):
+    the driver never deserializes what it keeps. Objects made here are kept as they are."""
     if made_on == this_node():
         return refs
+    *kept, made = ray.remote(relay).options(num_cpus=0, num_returns=len(refs) + 1, scheduling_strategy=here(),
+                                            max_retries=0).remote(*refs)
     try:
-        return tuple(ray.put(value) for value in ray.get(list(refs)))
+        ray.get(made)
     except ObjectLostError as lost:
+        settle(kept)
         raise SnapshotLost(f"a snapshot made on node {made_on} was lost with it") from lost
+    return tuple(kept)
 
 
 def settle(refs) -> None:

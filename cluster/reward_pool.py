@@ -1,14 +1,18 @@
 """Reward terms scored by pools of Ray actors (`reward.terms.<name>.actors=K`).
 
 Each such term has a pool of its own: its reward model (a CLIP scorer, a detector, a VLM judge) is
-loaded once per actor, on the resources the term asks for (e.g. a share of a GPU), and scores
-whole batches: every rollout worker sends its share of a step as one call per term, to the term's
-actors in turn, and the pools of different terms are called at once (tasks/reward_guard.py).
+loaded once per actor, on the resources the term asks for (e.g. a GPU), and scores batches: every
+rollout worker sends each batch it scores in calls of `reward.terms.<name>.images_per_call` images
+(the whole batch in one call by default), to the term's actors in turn and at once; an actor's
+scorer runs a call in forward passes of its own `batch_size`. The pools of different terms are
+called at once too (tasks/reward_guard.py). What an actor returns is on the host: numpy, whatever
+device its model runs on.
 Scoring is a pure function of its inputs, so an actor that died is waited for (Ray restarts it)
 and asked again, with the same result.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from cluster.recovery import survive
@@ -25,15 +29,21 @@ class RewardActor:
         self.scorer = build_scorer(config.reward.terms[term], self.device)
 
     def score(self, images, prompts, refinements):
-        return self.scorer(images, prompts, refinements)
+        return on_host(self.scorer(images, prompts, refinements))
 
     def strict(self, images, prompts, refinements):
         """The scorer's strict correctness, or None if it has none."""
         strict = getattr(self.scorer, "strict", None)
-        return strict(images, prompts, refinements) if strict else None
+        return on_host(strict(images, prompts, refinements)) if strict else None
 
     def ready(self) -> int:
         return self.index
+
+
+def on_host(values):
+    """A scorer's answer as it leaves the actor: a tensor (a plug-in's, maybe on a GPU) as a numpy
+    array on the host; anything else as it is (the caller checks it: tasks/reward_guard.py)."""
+    return values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else values
 
 
 def pool_names(config) -> dict[str, list[str]]:
@@ -50,11 +60,12 @@ def spawn_pools(config, runtime) -> dict[str, list]:
 
 
 class PooledTerm:
-    """The scorer a rollout worker calls for a pooled term: each batch goes to the pool's next
-    actor, starting from the worker's own index so that workers spread over the pool."""
+    """The scorer a rollout worker calls for a pooled term: a batch in calls of `images_per_call`
+    (None: one call), each to the pool's next actor, all at once; the worker's first call goes to
+    the actor of its own index, so that workers spread over the pool."""
 
-    def __init__(self, actors: list, first: int, attempts: int):
-        self.actors, self.turn, self.attempts = actors, first, attempts
+    def __init__(self, actors: list, first: int, attempts: int, images_per_call: int | None = None):
+        self.actors, self.turn, self.attempts, self.images_per_call = actors, first, attempts, images_per_call
 
     def __call__(self, images, prompts, refinements):
         return self.ask("score", images, prompts, refinements)
@@ -62,9 +73,28 @@ class PooledTerm:
     def strict(self, images, prompts, refinements):
         return self.ask("strict", images, prompts, refinements)
 
-    def ask(self, method: str, *args):
-        actor = self.actors[self.turn % len(self.actors)]
-        self.turn += 1
-        values, _ = survive(lambda first: get(getattr(actor, method).remote(*args)),
-                            lambda: get(actor.ready.remote()), self.attempts)
-        return values
+    def calls(self, n: int) -> list[slice]:
+        """The rows of each call for a batch of `n` (one call for an empty batch)."""
+        size = self.images_per_call or max(n, 1)
+        return [slice(i, i + size) for i in range(0, max(n, 1), size)]
+
+    def ask(self, method: str, images, prompts, refinements):
+        """Every call's answer, joined in batch order; an actor that died is waited for (Ray restarts
+        it) and asked again. A call's answer that is not values (None: no strict measure; a dict: a
+        term's mistake, which the caller reports) is the answer."""
+        parts = []
+        for rows in self.calls(len(prompts)):
+            actor = self.actors[self.turn % len(self.actors)]
+            self.turn += 1
+            args = (None if images is None else images[rows], prompts[rows], refinements[rows])
+            parts.append((actor, args, getattr(actor, method).remote(*args)))
+        answers = []
+        for actor, args, call in parts:
+            values, _ = survive(lambda first, actor=actor, args=args, call=call:
+                                get(call if first else getattr(actor, method).remote(*args)),
+                                lambda actor=actor: get(actor.ready.remote()), self.attempts)
+            answers.append(values)
+        odd = [a for a in answers if a is None or isinstance(a, dict)]
+        if odd or len(answers) == 1:
+            return odd[0] if odd else answers[0]
+        return np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1) for a in answers])

@@ -130,9 +130,9 @@ class RolloutPool:
         return reloaded
 
     def older_weights(self, versions: dict[str, int]) -> dict[int, dict[str, tuple]]:
-        """{step: {expert: (version, weights)}}: the weights older than `versions` that the
-        rollouts in flight were made with (a checkpoint keeps them)."""
-        return {s: {e: (w.version, get(w.weights)) for e, w in r.weights.items() if w.version != versions[e]}
+        """{step: {expert: (version, weights as an ObjectRef)}}: the weights older than `versions`
+        that the rollouts in flight were made with (a checkpoint keeps them)."""
+        return {s: {e: (w.version, w.weights) for e, w in r.weights.items() if w.version != versions[e]}
                 for s, r in self.in_flight.items()}
 
     def evaluate(self) -> dict:

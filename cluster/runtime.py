@@ -93,8 +93,9 @@ class Runtime:
         options = {"num_cpus": 0, **options}
         if env := hub_env():
             options["runtime_env"] = {"env_vars": env}
-        return ray.remote(cls).options(name=f"{self.run_name}/{name}", namespace="jointrl",
-                                       **options).remote(*args)
+        groups = getattr(cls, "CONCURRENCY_GROUPS", None)  # its methods' groups besides the default one
+        actor = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
+        return actor.options(name=f"{self.run_name}/{name}", namespace="jointrl", **options).remote(*args)
 
     def spawn_member(self, cls, *args, name: str, resources=None):
         """An actor of the run: Ray restarts it when it dies (its state is restored by whoever holds

@@ -5,20 +5,27 @@ each worker its ObjectRef (fetched zero-copy on the worker's node, pulled throug
 from other nodes) with the weights' fingerprint, and returns only once every worker has checked
 the fingerprint and acknowledged that version. Only experts whose version changed are published.
 With `cluster.sync=collective` the experts broadcast their new versions into the workers instead
-(cluster/collective.py), and the object store is the fallback.
+(cluster/collective.py), and the object store is the fallback: a broadcast that fails (a member
+restarted, a timeout) is delivered through it and the group formed anew for the next one, which
+the log says once. A group that can never work (NCCL members sharing a GPU) is refused instead,
+once, naming `cluster.sync`.
 """
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from typing import NamedTuple
 
 import ray
 import torch.distributed as dist
 
-from cluster.collective import GroupSpec
+from cluster.collective import CollectiveRefused, GroupSpec, refuse_shared_gpus, refused
 from cluster.runtime import Members, get
+from experts.parallel import nccl_misused
 from experts.records import Release
+
+LOG = logging.getLogger("jointrl.sync")
 
 
 class SyncResult(NamedTuple):
@@ -38,10 +45,12 @@ class WeightSyncActor:
         "timeout_s"}) are given when the run syncs by broadcast (`cluster.sync=collective`); else
         versions go through the object store."""
         self.workers = [members(name) for name in workers]
+        self.names = [*(f"expert/{e}" for e in experts or []), *workers]  # the group's members, in rank order
         self.experts = {e: members(f"expert/{e}") for e in experts} if experts is not None else None
         self.collective = collective
         self.registry: dict[str, int] = {}
         self.store, self.generation, self.intact = None, 0, False
+        self.fallbacks = 0
 
     def publish(self, releases: dict[str, Release], broadcast: bool = False) -> SyncResult:
         """Deliver every expert's release to every worker and collect their acknowledgements. A
@@ -54,8 +63,13 @@ class WeightSyncActor:
         if broadcast and self.collective:
             try:
                 acks, via = self.broadcast(releases), "collective"
+            except CollectiveRefused:
+                raise
             except Exception as error:  # any broken member: the object store still holds every version
+                if nccl_misused(error):
+                    raise refused(error) from error
                 self.intact, fallback = False, f"{type(error).__name__}: {error}"
+                self.say_fallback(fallback)
         if acks is None:
             acks = get([w.load_weights.remote(eid, *release) for eid, release in releases.items() for w in self.workers])
         expected = [(eid, release.version) for eid, release in releases.items() for _ in self.workers]
@@ -64,6 +78,15 @@ class WeightSyncActor:
                 raise RuntimeError(f"a rollout worker acknowledged {eid} v{ack}, expected v{version}")
         self.registry.update({eid: release.version for eid, release in releases.items()})
         return SyncResult(time.perf_counter() - start, via, fallback)
+
+    def say_fallback(self, why: str) -> None:
+        """The first fallback in the log, with its reason; the later ones are counted only
+        (`faults/sync_fallbacks`)."""
+        if not self.fallbacks:
+            LOG.warning("cluster.sync=collective: a broadcast failed (%s); the object store delivered this sync, as "
+                        "it will every sync whose broadcast fails (counted in faults/sync_fallbacks), and the group "
+                        "is formed again for the next one", why)
+        self.fallbacks += 1
 
     def broadcast(self, releases: dict[str, Release]) -> list[int]:
         """Each expert broadcasts its current weights into every worker; returns the workers' acks."""
@@ -81,6 +104,8 @@ class WeightSyncActor:
         generations = get([m.broadcast_generation.remote() for m in members])  # raises if one is down
         if self.intact and all(g == self.generation for g in generations):
             return
+        refuse_shared_gpus(self.collective["backend"],
+                           dict(zip(self.names, get([m.broadcast_device.remote() for m in members]))))
         timeout = self.collective["timeout_s"]
         if self.store is None:
             host = ray.util.get_node_ip_address()

@@ -14,18 +14,29 @@ import json
 from pathlib import Path
 
 from driver.overrides import flat
-from tasks.shapes import VOCAB
+from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
 
 FORMAT = 3  # bump when what a base holds changes
 
 
+def caption_details(config) -> list[int]:
+    """The detail segments a pretraining caption may carry after its prompt, as the most words of
+    each: segments as long as the longest refinement (the refiners' largest max_new_tokens), as many
+    as fit the text encoder's `max_sequence_length` after a full prompt. Not the number of refiners:
+    one base serves any number of them, the text a run composes being cut at the same length."""
+    words = max(r.max_new_tokens for r in config.experts.refiners)
+    room = config.experts.text_encoder.max_sequence_length - 1 - MAX_PROMPT_WORDS
+    return [words] * max(0, room // (1 + words))
+
+
 def base_shaping(config) -> dict:
-    """Everything that shapes the base generator and text encoder."""
+    """Everything that shapes the base generator and text encoder (`text_len`: the encoder's
+    max_sequence_length; `details`: caption_details)."""
     return {"format": FORMAT, "vocab": VOCAB, "task": config.task.model_dump(),
             "generator": config.experts.generator.model.model_dump(),
-            "text_encoder": config.experts.text_encoder.model_dump(exclude={"init"}),
-            "text_len": config.text_len(),
-            "details": [r.max_new_tokens for r in config.experts.refiners],
+            "text_encoder": config.experts.text_encoder.model_dump(exclude={"init", "max_sequence_length"}),
+            "text_len": config.experts.text_encoder.max_sequence_length,
+            "details": caption_details(config),
             "pretrain": config.pretrain.model_dump(exclude={"out_dir", "threads", "refiner_steps", "refiner_lr"})}
 
 
@@ -65,8 +76,9 @@ def init_files(config, out_dir: str | Path) -> dict[str, Path]:
     if files and not base.is_dir():
         problems = [differences(out_dir, "base-", base_shaping(config), "the generator", {
             "generator.": "experts.generator.model.", "text_encoder.": "experts.text_encoder.",
-            "text_len": "text_len (the prompt and every refiner's max_new_tokens)",
-            "details.": "the max_new_tokens of experts.refiner_"})]
+            "text_len": "experts.text_encoder.max_sequence_length",
+            "details.": "the words (the refiners' largest max_new_tokens) of the pretraining captions' detail "
+                        "segment "})]
     for eid, refiner in config.experts.active_refiners().items():
         if refiner.model.kind != "tiny_lm":
             continue

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from cluster.runtime import get
 from driver.config import ConfigError
 from experts import state_file
-from experts.records import ExpertInfo, Snapshot
+from experts.records import ExpertInfo, ShardFiles, Snapshot
 from experts.weights import synced_state
 
 
@@ -72,6 +73,27 @@ def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0
         for old in all_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
     return final
+
+
+def save_fetched(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0,
+                 in_flight: dict[int, dict[str, tuple]] | None = None) -> Path:
+    """`save`, given its arrays as ObjectRefs: each expert's snapshot (a sharded expert's optimizer
+    as its ranks' ShardFiles) and the in-flight weights, fetched here. The driver has this run on
+    its node as a task of its own (the run directory is the one the user named), so it forwards
+    references and never deserializes what they hold."""
+    fetched = {}
+    for eid, snapshot in snapshots.items():
+        optimizer = snapshot.optimizer
+        if isinstance(optimizer, list):  # every rank's ShardFiles, as one
+            parts = [ShardFiles(*get([part.files, part.param_groups])) for part in optimizer]
+            optimizer = ShardFiles({name: data for part in parts for name, data in part.files.items()},
+                                   parts[0].param_groups)
+        else:
+            optimizer = get(optimizer)
+        fetched[eid] = Snapshot(get(snapshot.weights), optimizer, get(snapshot.info))
+    older = {s: {eid: (version, get(weights)) for eid, (version, weights) in entries.items()}
+             for s, entries in (in_flight or {}).items()}
+    return save(run_dir, step, fetched, keep, older)
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, \
-    model_validator
+from pydantic import BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, \
+    ValidationError, model_validator
 
 from common.config import Resources, Strict
 from experts.generator import GeneratorConfig
@@ -28,11 +28,54 @@ class ConfigError(ValueError):
     """A bad config or value; the CLI prints it and exits with status 2 before starting anything."""
 
 
+def models_of(annotation) -> list[type[BaseModel]]:
+    """The config sections a field holds: one model, the kinds of a union, or the item of a list."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in get_args(annotation) for m in models_of(a)]
+
+
+def laid_over(defaults: dict, own: dict, model: type[BaseModel]) -> dict:
+    """The section `own` with every key it does not set taken from `defaults` (both raw sections of
+    `model`). A key `own` sets keeps its value, except a section that both set, which is laid over
+    the same way key by key (a model section of another `kind` replaces the defaults' whole); a
+    value that is not a section (a list, a mapping such as `resources.custom`, null) replaces."""
+    out = dict(defaults)
+    for key, value in own.items():
+        field, base = model.model_fields.get(key), out.get(key)
+        sections = models_of(field.annotation) if field is not None else []
+        if not (sections and isinstance(value, dict) and isinstance(base, dict)):
+            out[key] = value
+            continue
+        if len(sections) > 1:  # model kinds: the defaults' kind, explicit or the field's default's
+            kind = base.get("kind", getattr(field.default, "kind", None))
+            if value.get("kind", kind) != kind:
+                out[key] = value
+                continue
+            sections = [s for s in sections if get_args(s.model_fields["kind"].annotation) == (kind,)]
+        out[key] = laid_over(base, value, sections[0])
+    return out
+
+
+def raw_section(section) -> dict:
+    """A section as the keys it sets: a dict as given, a model's fields as set."""
+    return section.model_dump(exclude_unset=True) if isinstance(section, BaseModel) else dict(section)
+
+
 class ExpertsConfig(Strict):
     """The experts: N refiners (`refiner_<i>`) and one generator. The one place that maps an expert id
     to its config section (`sections`) and spells a refiner's id (`refiner_id`)."""
-    n_refiners: int = Field(3, ge=1, description="how many refiners; missing `refiner_<i>` sections take "
-                                                 "the defaults")
+    n_refiners: int = Field(3, ge=1, description="how many refiners; a refiner without a section of its own "
+                                                 "takes `refiner_defaults`. `--set experts.n_refiners=K` keeps the "
+                                                 "first K sections a preset or file configures (a section set "
+                                                 "beyond K by `--set` is an error)")
+    refiner_defaults: RefinerConfig = Field(RefinerConfig(), description="keys every refiner takes unless its "
+                                            "own section (`experts.refiner_<i>`) sets them, e.g. "
+                                            "`experts.refiner_defaults.kl_beta=0.1` for all. A section sets a key "
+                                            "where it names it, at any depth: `experts.refiner_1.model.lora.r=8` "
+                                            "sets r only, and refiner_1 keeps the defaults' model path, kind and "
+                                            "lora.alpha; a list, a mapping (resources.custom) or null replaces "
+                                            "the default's whole, and a model of another kind replaces its model")
     refiners: list[RefinerConfig] = Field([], description="one refiner: its model, reward terms and learning; "
                                                           "`experts.refiner_<i>` is `experts.refiners.<i>`")
     generator_only: bool = Field(False, description="true: Flow-GRPO alone; no refiner is spawned, no prompt "
@@ -51,8 +94,9 @@ class ExpertsConfig(Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _refiner_keys(cls, data):
-        """`experts.refiner_<i>.<key>` is shorthand for `experts.refiners.<i>.<key>`."""
+    def _refiner_sections(cls, data):
+        """`experts.refiner_<i>.<key>` is shorthand for `experts.refiners.<i>.<key>`; each of the
+        n_refiners refiners is its own section laid over `refiner_defaults`."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
@@ -62,20 +106,27 @@ class ExpertsConfig(Strict):
             if not isinstance(section, dict):
                 raise ValueError(f"{cls.refiner_id(i)} is a section of keys (e.g. {cls.refiner_id(i)}.lr=0.001), "
                                  f"got {section!r}")
-        if named:
-            refiners = [dict(r) if isinstance(r, dict) else r for r in data.get("refiners", [])]
-            for i, overrides in sorted(named.items()):
-                refiners += [{} for _ in range(i + 1 - len(refiners))]
-                refiners[i] = {**refiners[i], **overrides}
-            data["refiners"] = refiners
+        if not isinstance(data.get("refiners", []), list):
+            return data  # the schema names it
+        refiners = [raw_section(r) if isinstance(r, (dict, BaseModel)) else r for r in data.get("refiners", [])]
+        for i, overrides in sorted(named.items()):
+            refiners += [{} for _ in range(i + 1 - len(refiners))]
+            refiners[i] = {**refiners[i], **overrides} if isinstance(refiners[i], dict) else refiners[i]
+        n = data.get("n_refiners", cls.model_fields["n_refiners"].default)
+        if type(n) is int:  # else the schema names what is wrong with it
+            refiners += [{} for _ in range(n - len(refiners))]
+        defaults = data.get("refiner_defaults", {})
+        if isinstance(defaults, (dict, BaseModel)):
+            refiners = [laid_over(raw_section(defaults), r, RefinerConfig) if isinstance(r, dict) else r
+                        for r in refiners]
+        data["refiners"] = refiners
         return data
 
     @model_validator(mode="after")
-    def _fill_refiners(self):
+    def _no_section_beyond_n(self):
         if len(self.refiners) > self.n_refiners:
             last = self.refiner_id(len(self.refiners) - 1)
             raise ValueError(f"{last} is configured but n_refiners={self.n_refiners}")
-        self.__dict__["refiners"] = self.refiners + [RefinerConfig() for _ in range(self.n_refiners - len(self.refiners))]
         return self
 
     @model_validator(mode="after")
@@ -202,8 +253,12 @@ class RewardConfig(Strict):
     normalize: Literal["none", "per_term"] = Field("none", description="per_term: each term is normalised within "
                                                    "its prompt group before the weighted sum the advantages use, "
                                                    "so no term dominates by its scale")
-    timeout_s: PositiveFloat = Field(60.0, description="seconds a reward call may take; a slower one drops its "
-                                                       "samples")
+    timeout_s: PositiveFloat = Field(60.0, description="seconds a reward call may take beside its images' "
+                                     "`timeout_per_image_s`; a slower call's term is scored again sample by "
+                                     "sample, and the samples it fails on are dropped")
+    timeout_per_image_s: NonNegativeFloat = Field(1.0, description="seconds a reward call may take per image it "
+                                                  "scores, beside `timeout_s`: the deadline of a call of n images "
+                                                  "is timeout_s + n x this")
     actors: NonNegativeInt = Field(0, description="default for every term that scores images: K > 0: a pool of K "
                                                   "reward actors per term (its model loaded once per actor); 0: "
                                                   "each rollout worker scores (text terms always, unless their "
@@ -215,6 +270,18 @@ class RewardConfig(Strict):
     def weights(self) -> dict[str, float]:
         """Every term's weight in the total."""
         return {name: term.weight for name, term in (self.terms or {}).items()}
+
+    @model_validator(mode="after")
+    def _calls_go_to_actors(self):
+        """`images_per_call` says how a batch is split among a term's reward actors: a term without
+        actors has none to split it among."""
+        pools = self.pools()
+        for name, term in (self.terms or {}).items():
+            if term.images_per_call is not None and name not in pools:
+                raise ValueError(f"reward.terms.{name}.images_per_call={term.images_per_call}: the term is scored "
+                                 f"by each rollout worker, not by reward actors (reward.terms.{name}.actors, "
+                                 f"reward.actors); its scorer's own `batch_size` sets its forward passes")
+        return self
 
     def pools(self) -> dict[str, tuple[int, Resources]]:
         """The terms scored by reward actors: name -> (how many actors, what each reserves)."""
@@ -320,15 +387,19 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _default_terms(self):
-        """The task's own terms where none are set; refiner i owns the i-th text term by default
-        (cycling), or every term where there is no text term."""
+        """The task's own terms where none are set, and each refiner's `owns` where it sets none."""
         from tasks import default_terms
         if self.reward.terms is None:
             self.reward.terms = {name: TermConfig(**t) for name, t in default_terms(self.task.name).items()}
+        if self.algorithm.credit == "shared":  # its credit reads no owns: names of no term are let go
+            for spec in self.experts.sections().values():
+                if spec.owns:
+                    spec.owns = [t for t in spec.owns if t in self.reward.terms] or None
         text = [t for t, term in self.reward.terms.items() if not term.needs_images()]
+        n = len(self.experts.refiners)
         for i, r in enumerate(self.experts.refiners):
             if r.owns is None:
-                r.owns = [text[i % len(text)]] if text else list(self.reward.terms)
+                r.owns = default_owns(i, n, text) or list(self.reward.terms)
         return self
 
     @model_validator(mode="after")
@@ -407,16 +478,26 @@ class Config(Strict):
         return self.experts.sections()[expert_id]
 
     def text_len(self) -> int:
-        """Longest composed text: <bos> prompt, then <sep> and each refiner's tokens (the same width
-        in generator-only mode, so one pretrained text encoder serves every method)."""
-        return 1 + MAX_PROMPT_WORDS + sum(1 + r.max_new_tokens for r in self.experts.refiners)
+        """Longest text the tiny text encoder reads: <bos> prompt, then <sep> and each refiner's
+        tokens, cut at its max_sequence_length (tasks.shapes.composed_ids)."""
+        composed = 1 + MAX_PROMPT_WORDS + sum(1 + r.max_new_tokens for r in self.experts.active_refiners().values())
+        return min(composed, self.experts.text_encoder.max_sequence_length)
+
+
+def default_owns(i: int, n: int, text: list[str]) -> list[str]:
+    """The text terms refiner i of n owns when its `owns` is unset: the j-th text term goes to
+    refiner j mod n, so every text term has an owner and, with fewer terms than refiners, refiner i
+    owns the (i mod terms)-th (a third refiner of a preset with `format` and `faithful` owns
+    `format`, one refiner owns both); none where there is no text term."""
+    return [t for j, t in enumerate(text) if j % n == i] or ([text[i % len(text)]] if text else [])
 
 
 def resolve_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
     """The validated config of a preset name or YAML path plus `dotted.key=value` overrides, without
     the preflight checks (what `jointrl config show` prints)."""
     from driver import overrides as sets, presets  # they raise ConfigError, defined here
-    return validated(sets.apply(with_default_terms(presets.load_tree(source), overrides), list(overrides)))
+    tree = sets.first_refiners(with_default_terms(presets.load_tree(source), overrides), list(overrides))
+    return validated(sets.apply(tree, list(overrides)))
 
 
 def with_default_terms(tree: dict, overrides) -> dict:
@@ -461,7 +542,7 @@ def run_config(run_dir: Path, flag: str, overrides: list[str] = (), layer: str |
     tree = presets.load_tree(str(saved))
     if layer:
         tree = sets.merge(tree, presets.load_tree(layer))
-    config = validated(sets.apply(tree, list(overrides)))
+    config = validated(sets.apply(sets.first_refiners(tree, list(overrides)), list(overrides)))
     preflight(config)
     return config
 

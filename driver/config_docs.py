@@ -15,16 +15,9 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from driver.config import Config, ExpertsConfig
+from driver.config import Config, ExpertsConfig, models_of
 
 LIST_KEYS = {(ExpertsConfig, "refiners"): ExpertsConfig.refiner_id}  # a list of sections, keyed per item
-
-
-def models_of(annotation) -> list[type[BaseModel]]:
-    """The config sections a field holds: one model, the kinds of a union, or the item of a list."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for a in get_args(annotation) for m in models_of(a)]
 
 
 def type_name(annotation, metadata=()) -> str:

@@ -20,7 +20,7 @@ from algorithm.staleness import lags, within
 from cluster.expert_actor import ExpertActor
 from cluster.expert_group import ExpertGroup
 from cluster.placement import Placement
-from cluster.recovery import FaultCounts
+from cluster.recovery import FaultCounts, here
 from cluster.rollout_pool import RolloutPool
 from cluster.runtime import Runtime, get
 from driver import checkpoint, evaluate, metrics
@@ -28,6 +28,19 @@ from driver.checkpoint import checkpoint_exists, checkpoint_path
 from driver.metrics import MetricsLog, marked_timer
 from driver.trackers import Trackers
 from tasks import build_task
+
+
+def run_here(mode: str, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` in a Ray task on this process's node (`mode` ray: its ObjectRef
+    arguments, at any depth, are fetched there and not here), or in-process (inline); its error is
+    raised as `fn` raised it."""
+    if mode == "inline":
+        return fn(*args, **kwargs)
+    task = ray.remote(fn).options(num_cpus=0, max_retries=0, scheduling_strategy=here())
+    try:
+        return ray.get(task.remote(*args, **kwargs))
+    except ray.exceptions.RayTaskError as error:
+        raise (error.cause or error) from None
 
 
 class DriverActor:
@@ -89,10 +102,11 @@ class DriverActor:
                               [float(t) if v else None for t, v in zip(total[:n], valid[:n])])
 
     def save_checkpoint(self, step: int) -> Path:
-        """Every expert's snapshot, plus the older weights the rollouts in flight were made with."""
-        return checkpoint.save(self.run_dir, step, self.experts.saved_snapshots(),
-                               keep=self.config.trainer.keep_checkpoints,
-                               in_flight=self.rollouts.older_weights(self.experts.versions))
+        """Every expert's snapshot, plus the older weights the rollouts in flight were made with,
+        written by a task on this node from the references the driver holds."""
+        return run_here(self.config.cluster.mode, checkpoint.save_fetched, self.run_dir, step,
+                        self.experts.saved_snapshots(), keep=self.config.trainer.keep_checkpoints,
+                        in_flight=self.rollouts.older_weights(self.experts.versions))
 
     def run(self, on_row=None) -> dict:
         """Train until `trainer.steps`, or until `stop()` was asked: then the step under way is
@@ -149,6 +163,7 @@ class DriverActor:
         if self.placement:
             self.placement.release()
 
-    def expert_weights(self, expert_id: str) -> dict:
-        """The weights of `expert_id`'s latest snapshot (what was last published)."""
-        return get(self.experts.snapshots[expert_id].weights)
+    def expert_weights(self, expert_id: str):
+        """The weights of `expert_id`'s latest snapshot (what was last published), as a reference
+        for the caller to fetch (`get` of this call's result, then of what it holds)."""
+        return self.experts.snapshots[expert_id].weights

@@ -5,6 +5,8 @@ key exists and the value fits is the schema's to say, so every error names the k
 """
 from __future__ import annotations
 
+import re
+
 import yaml
 
 from driver.config import ConfigError
@@ -48,6 +50,20 @@ def apply(tree: dict, overrides: list[str]) -> dict:
     for item in overrides:
         set_key(tree, *parse_override(item))
     return tree
+
+
+def first_refiners(tree: dict, overrides: list[str]) -> dict:
+    """`tree` (a preset's or file's) without its refiner sections beyond the number
+    `--set experts.n_refiners=K` asks for: a preset describes the refiners it has, and K of them
+    are its first K. A section an override names beyond K stays, for the schema to refuse."""
+    asked = [value for key, value in map(parse_override, overrides) if key == "experts.n_refiners"]
+    n, experts = asked[-1] if asked else None, tree.get("experts")
+    if type(n) is not int or n < 1 or not isinstance(experts, dict):
+        return tree  # not asked, or a value the schema refuses
+    kept = {k: v for k, v in experts.items() if not ((m := re.fullmatch(r"refiner_(\d+)", k)) and int(m[1]) >= n)}
+    if isinstance(kept.get("refiners"), list):
+        kept["refiners"] = kept["refiners"][:n]
+    return {**tree, "experts": kept}
 
 
 def merge(base: dict, top: dict) -> dict:

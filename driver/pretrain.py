@@ -18,12 +18,12 @@ import torch
 from tqdm import tqdm
 
 from common.seeding import derive_seed
-from driver.bases import base_dir, base_shaping, digest, refiner_dir, refiner_shaping
+from driver.bases import base_dir, base_shaping, caption_details, digest, refiner_dir, refiner_shaping
 from driver.checkpoint import atomic_dir, sha256
 from experts import state_file
 from experts.frontend import build_text_encoder
 from experts.kinds import build_model
-from tasks.shapes import (BOS, CATEGORIES, EOS, PAD, QUALITY_WORDS, SEP, STYLE_WORDS, VOCAB, WORD_TO_ID, Prompt,
+from tasks.shapes import (CATEGORIES, EOS, PAD, QUALITY_WORDS, STYLE_WORDS, WORD_TO_ID, Prompt, composed_ids,
                           make_prompt, paraphrase, render)
 
 def detail_words(rng: np.random.Generator, degraded: bool, max_words: int) -> list[str]:
@@ -50,13 +50,13 @@ def segment_words(rng: np.random.Generator, prompt: Prompt, degraded: bool, max_
 
 
 def details(rng: np.random.Generator, prompt: Prompt, degraded: bool, max_segments: int, max_words: int,
-            restate_share: float = 0.0) -> list[int]:
-    """Half the captions get 1 to `max_segments` "<sep> words" segments after the prompt."""
+            restate_share: float = 0.0) -> list[list[int]]:
+    """Half the captions get 1 to `max_segments` segments of words after the prompt (each after a <sep>)."""
     if rng.random() < 0.5:
         return []
     segments = [segment_words(rng, prompt, degraded, max_words, restate_share)
                 for _ in range(rng.integers(1, max_segments + 1))]
-    return [t for words in segments for t in (SEP, *(WORD_TO_ID[w] for w in words))]
+    return [[WORD_TO_ID[w] for w in words] for words in segments]
 
 
 def random_prompt(rng: np.random.Generator) -> Prompt:
@@ -66,16 +66,17 @@ def random_prompt(rng: np.random.Generator) -> Prompt:
 
 
 def caption_batch(rng: np.random.Generator, n: int, size: int, degraded_share: float = 0.0,
-                  max_segments: int = 0, max_words: int = 0, restate_share: float = 0.0):
+                  max_segments: int = 0, max_words: int = 0, restate_share: float = 0.0, max_len: int | None = None):
     """`n` rendered (caption ids, image in [-1, 1]) pairs over every category and wording; a
-    `degraded_share` of the images are degraded, and some captions carry details (`details`)."""
+    `degraded_share` of the images are degraded, and some captions carry details (`details`); each
+    caption is cut at `max_len` tokens as the runs' texts are (tasks.shapes.composed_ids)."""
     ids, images = [], []
     for _ in range(n):
         p = random_prompt(rng)
         degraded = bool(rng.random() < degraded_share)
         images.append(render(p, rng, size, degraded))
         extra = details(rng, p, degraded, max_segments, max_words, restate_share) if max_segments else []
-        ids.append([BOS, *p.ids, *extra])
+        ids.append(list(composed_ids(p.ids, extra, max_len)))
     images = np.stack(images).astype(np.float32) / 127.5 - 1.0
     width = max(map(len, ids))
     ids = torch.tensor([i + [PAD] * (width - len(i)) for i in ids])
@@ -103,13 +104,14 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
     optimizer = torch.optim.AdamW(params, lr=pc.lr, weight_decay=0.0)
     rng = np.random.default_rng(derive_seed(pc.seed, "pretrain-data"))
     gen = torch.Generator().manual_seed(derive_seed(pc.seed, "pretrain-noise"))
-    max_words = max(r.max_new_tokens for r in config.experts.refiners)
+    segments = caption_details(config)
     bar = tqdm(range(pc.steps), desc="pretrain", unit="it", disable=not progress, mininterval=2.0)
     for it in bar:
         for group in optimizer.param_groups:
             group["lr"] = pc.lr * 0.5 * (1 + math.cos(math.pi * it / pc.steps))
-        batch = caption_batch(rng, pc.batch_size, config.task.image_size, pc.degraded_share,
-                              len(config.experts.refiners), max_words, pc.restate_share)
+        batch = caption_batch(rng, pc.batch_size, config.task.image_size, pc.degraded_share, len(segments),
+                              max(segments, default=0), pc.restate_share,
+                              config.experts.text_encoder.max_sequence_length)
         loss = flow_matching_loss(generator, encoder, *batch, gen)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

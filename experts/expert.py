@@ -11,20 +11,19 @@ what it trains in fp32 and computes in its own dtype (experts/precision.py).
 """
 from __future__ import annotations
 
-import copy
 import math
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from experts import parallel, precision, state_file
 from experts.kinds import expert_kind
 from experts.parallel import Gang, GangSpec
 from experts.records import ExpertInfo, OptimizerShard, ShardFiles, Snapshot
-from experts.weights import arrays_of, fingerprint, is_lora, load, model_tensors, reference_of, synced_state
+from experts.weights import (arrays_of, fingerprint, is_lora, load, model_tensors, optimizer_arrays, optimizer_tensors,
+                             reference_of, synced_state)
 
 
 class StaleExpert(RuntimeError):
@@ -34,11 +33,6 @@ class StaleExpert(RuntimeError):
 class GangBroken(StaleExpert):
     """A rank of a several-rank expert lost a peer during a collective (or its process group is
     not the gang's current one): the gang is formed again and restored before the call is retried."""
-
-
-def collective_failed(error: BaseException) -> bool:
-    """Whether `error` is torch.distributed's word that a peer is gone (gloo raises plain RuntimeErrors)."""
-    return isinstance(error, dist.DistError) or any(w in str(error) for w in ("gloo", "NCCL", "Connection closed"))
 
 
 class Expert:
@@ -110,25 +104,25 @@ class Expert:
         try:
             yield
         except RuntimeError as e:
-            if self.gang and not isinstance(e, StaleExpert) and collective_failed(e):
+            if self.gang and not isinstance(e, StaleExpert) and parallel.peer_lost(e):
                 raise GangBroken(f"{self.expert_id} rank {self.gang.rank}: {what} lost a peer ({e})") from e
             raise
 
     def snapshot(self) -> Snapshot:
         """Everything that restores this expert exactly, with the weights' fingerprint (every worker
-        checks it)."""
+        checks it); every array in it on the host, wherever the model lives."""
         with self.among_peers("a snapshot"):
             weights = self.weights()
-        optimizer = parallel.optimizer_shard(self.optimizer, self.gang) if self.sharded else self.optimizer.state_dict()
+        optimizer = parallel.optimizer_shard(self.optimizer, self.gang) if self.sharded else \
+            optimizer_arrays(self.optimizer.state_dict(), self.private)
         if weights is None:  # not the leader
             return Snapshot(None, optimizer if self.sharded else None, self.info())
-        return Snapshot(weights, copy.deepcopy(optimizer) if self.private else optimizer,
-                        ExpertInfo(self.version, self.last_step, fingerprint(weights)))
+        return Snapshot(weights, optimizer, ExpertInfo(self.version, self.last_step, fingerprint(weights)))
 
     def restore(self, weights: dict, optimizer: dict | OptimizerShard | None, info: ExpertInfo) -> ExpertInfo:
         """Back to a snapshot or checkpoint: weights, optimizer moments (whole, or this rank's shard
-        of a snapshot), version and last applied step. The frozen reference is rebuilt from the
-        config, as it was at the start."""
+        of a snapshot; as arrays or tensors), version and last applied step. The frozen reference
+        is rebuilt from the config, as it was at the start."""
         tensors = model_tensors(self.model, weights)
         load(self.model, parallel.sharded_like(tensors, synced_state(self.model)) if self.sharded else tensors)
         if isinstance(optimizer, OptimizerShard):
@@ -137,8 +131,9 @@ class Expert:
                                  f"restores only that rank of a sharded gang of that size")
             self.optimizer.load_state_dict(parallel.from_shard(optimizer, self.trainable))
         elif optimizer is not None:
-            self.optimizer.load_state_dict(parallel.sharded_optimizer_state(optimizer, self.trainable)
-                                           if self.sharded else optimizer)
+            state = optimizer_tensors(optimizer)
+            self.optimizer.load_state_dict(parallel.sharded_optimizer_state(state, self.trainable)
+                                           if self.sharded else state)
         self.version, self.last_step, self.last_stats = info.version, info.last_step, {}
         return self.info()
 
@@ -184,7 +179,7 @@ class Expert:
             with precision.computed_in(self.model, {} if self.sharded else self.computed):
                 loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows)
         if self.gang:
-            loss, stats = parallel.sum_stats(loss, stats)
+            loss, stats = parallel.sum_stats(loss, stats, self.device)
             if self.gang.strategy == "ddp":
                 parallel.sum_gradients(self.trainable)
         if not math.isfinite(loss):

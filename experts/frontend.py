@@ -12,7 +12,7 @@ import torch
 from experts.build import seeded_model
 from algorithm.sde import sigma_schedule
 from experts.text_encoder import CachedEncoder, TextEncoder
-from tasks.shapes import BOS, MAX_PROMPT_WORDS, SEP, VOCAB, known_ids
+from tasks.shapes import MAX_PROMPT_WORDS, VOCAB, composed_ids, known_ids
 
 
 def build_text_encoder(config, fresh: bool = False) -> TextEncoder:
@@ -20,7 +20,7 @@ def build_text_encoder(config, fresh: bool = False) -> TextEncoder:
     if given, unless `fresh`."""
     te = config.experts.text_encoder
     return seeded_model(config, "text_encoder", lambda: TextEncoder(len(VOCAB), te.d_model, te.n_layers, te.n_heads,
-                                                                    config.text_len()), None if fresh else te.init)
+                                                                    te.max_sequence_length), None if fresh else te.init)
 
 
 class ShapesFrontEnd:
@@ -37,11 +37,13 @@ class ShapesFrontEnd:
 
     def condition(self, prompts: list, refinements: list[dict], drop: str | None = None) -> dict[str, torch.Tensor]:
         """The encoder's features of <bos> prompt, then <sep> y_k for each refiner (except `drop`),
-        the prompt's and each refinement's words in the encoder's vocabulary (it cannot read others)."""
+        the prompt's and each refinement's words in the encoder's vocabulary (it cannot read others),
+        cut at the encoder's `max_sequence_length` (tasks.shapes.composed_ids)."""
         order = self.config.experts.active_refiners()
-        seqs = [(BOS, *known_ids(p.text.split(), MAX_PROMPT_WORDS),
-                 *[t for e in order if e in refs and e != drop
-                   for t in (SEP, *known_ids(refs[e].words, self.config.expert(e).max_new_tokens))])
+        seqs = [composed_ids(known_ids(p.text.split(), MAX_PROMPT_WORDS),
+                             [known_ids(refs[e].words, self.config.expert(e).max_new_tokens)
+                              for e in order if e in refs and e != drop],
+                             self.config.experts.text_encoder.max_sequence_length)
                 for p, refs in zip(prompts, refinements)]
         text, text_pad = self.encoder(seqs)
         return {"text": text, "text_pad": text_pad}

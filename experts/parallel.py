@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from experts.records import OptimizerShard
+from experts.weights import optimizer_arrays, optimizer_tensors
 
 FORWARD_METHODS = ("token_logprobs",)  # model methods other than forward that the losses call
 
@@ -70,6 +71,49 @@ def join_group(host: str, port: int, prefix: str, rank: int, world_size: int, ba
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def backend_for(device: torch.device) -> str:
+    """The backend of a process group whose ranks keep their tensors on `device`: gloo between CPU
+    processes; between GPUs NCCL for device tensors and gloo for any host tensor a collective is
+    given (NCCL takes device tensors only: object collectives, a checkpoint's coordination)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+# What torch.distributed raises when a peer of a process group is gone (its process died, its node
+# or the network failed) or a collective timed out waiting for it. gloo: RuntimeErrors from its
+# transport ("[…/gloo/transport/tcp/pair.cc:553] Connection closed by peer …", "[…/gloo/transport/
+# tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete", both seen
+# here with torch 2.13). NCCL: DistBackendErrors whose text pytorch writes in
+# torch/csrc/distributed/c10d/NCCLUtils.cpp (`getNcclErrorDetailStr`: "ncclRemoteError: A call
+# failed possibly due to a network error or a remote process exiting prematurely.", "ncclSystemError:
+# System call (e.g. socket, malloc) or external library call failed or device error."; NCCL's own
+# string for ncclRemoteError, "remote process exited or there was a network error";
+# `NCCLComm::getNcclComm`: "NCCL communicator was aborted on rank …", after its watchdog, in
+# ProcessGroupNCCL.cpp, "Watchdog caught collective operation timeout: WorkNCCL(…)").
+PEER_LOST = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "ncclRemoteError",
+             "remote process exited", "ncclSystemError", "NCCL communicator was aborted",
+             "Watchdog caught collective operation timeout")
+# NCCL's word for a call that can never work (NCCLUtils.cpp: "ncclInvalidUsage: This usually reflects
+# invalid usage of NCCL library.", "ncclInvalidArgument: Invalid value for an argument."), such as
+# two ranks on one GPU (NCCL's init logs "Duplicate GPU detected : rank 1 and rank 0 both on CUDA
+# device …" and returns ncclInvalidUsage): a mistake to report, not a peer to wait for.
+MISUSED = ("ncclInvalidUsage", "ncclInvalidArgument")
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` says a peer of the process group is gone: torch.distributed's own error type
+    (a DistBackendError, DistNetworkError or DistStoreError), or a plain RuntimeError in the words of
+    PEER_LOST (gloo's; NCCL's, where an older torch raised them plainly), unless NCCL called the
+    call itself invalid. A tensor on a device the backend does not take is a mistake, not a loss."""
+    if nccl_misused(error):
+        return False
+    return isinstance(error, dist.DistError) or any(w in str(error) for w in PEER_LOST)
+
+
+def nccl_misused(error: BaseException) -> bool:
+    """Whether NCCL refused `error`'s call as invalid usage (see MISUSED)."""
+    return any(w in str(error) for w in MISUSED)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -152,10 +196,18 @@ def sum_gradients(params: list[nn.Parameter]) -> None:
         offset += g.numel()
 
 
-def sum_stats(loss: float, stats: dict) -> tuple[float, dict]:
-    """The step's loss and stats from every rank's share of them (one all-reduce)."""
+def stats_dtype(device: torch.device) -> torch.dtype:
+    """float64 where the device's collectives carry it (gloo on the host; NCCL on CUDA, whose
+    ncclFloat64 pytorch maps from at::kDouble), float32 on any other device (MPS has no float64,
+    not every accelerator's collective library carries it): the stats are sums of a few values."""
+    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+
+
+def sum_stats(loss: float, stats: dict, device: torch.device) -> tuple[float, dict]:
+    """The step's loss and stats from every rank's share of them: one all-reduce on `device`, the
+    model's (NCCL reduces only device tensors), in `stats_dtype`."""
     keys = sorted(stats)
-    values = torch.tensor([loss, *[float(stats[k]) for k in keys]], dtype=torch.float64)
+    values = torch.tensor([loss, *[float(stats[k]) for k in keys]], dtype=stats_dtype(device), device=device)
     dist.all_reduce(values)
     return float(values[0]), dict(zip(keys, values[1:].tolist()))
 
@@ -192,11 +244,12 @@ def sharded_like(whole: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -
 
 
 def optimizer_shard(optimizer: torch.optim.Optimizer, gang: Gang) -> OptimizerShard:
-    """This rank's part of the optimizer state: its shards of the moments as plain tensors."""
+    """This rank's part of the optimizer state: its shards of the moments as host arrays
+    (`optimizer_arrays`), wherever the shards live."""
     state = optimizer.state_dict()
-    local = {pid: {k: v.to_local().clone() if isinstance(v, DTensor) else v for k, v in entries.items()}
+    local = {pid: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entries.items()}
              for pid, entries in state["state"].items()}
-    return OptimizerShard(gang.rank, gang.ranks, {**state, "state": local})
+    return OptimizerShard(gang.rank, gang.ranks, optimizer_arrays({**state, "state": local}))
 
 
 def from_shard(shard: OptimizerShard, params: list[nn.Parameter]) -> dict:
@@ -205,7 +258,7 @@ def from_shard(shard: OptimizerShard, params: list[nn.Parameter]) -> dict:
         if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0:
             return DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
         return v
-    state = shard.state
+    state = optimizer_tensors(shard.state)
     return {**state, "state": {pid: {k: like(v, params[int(pid)]) for k, v in entries.items()}
                                for pid, entries in state["state"].items()}}
 

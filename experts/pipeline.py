@@ -133,7 +133,8 @@ class RolloutPipeline:
         self.owners = config.owners()
         scorers = scorers or {}
         self.rewards = RewardSet({name: scorers.get(name) or build_scorer(term, device)
-                                  for name, term in config.reward.terms.items()}, self.owners, config.reward.timeout_s)
+                                  for name, term in config.reward.terms.items()}, self.owners, config.reward.timeout_s,
+                                 config.reward.timeout_per_image_s)
 
     def load(self, expert_id: str, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Serve `tensors` (a whole version, as the model holds them) as `version` of `expert_id`;

@@ -50,8 +50,12 @@ class HFCausalLMConfig(Strict):
 
 class RefinerConfig(Strict):
     """One refiner expert (`experts.refiner_<i>`): its model, its reward terms and how it learns."""
-    owns: list[str] | None = Field(None, description="reward terms credited to this refiner; None: refiner i owns "
-                                                     "the i-th text term (fidelity, style, format, round robin)")
+    owns: list[str] | None = Field(None, description="reward terms credited to this refiner (credit=per_expert), "
+                                   "whose text terms read its refinement only; None: text term j goes to refiner "
+                                   "j mod n_refiners, so every text term has an owner, and a refiner beyond the "
+                                   "text terms owns term (i mod their number) (shapes, 3 refiners: fidelity, style, "
+                                   "format; 1: all three). A name that is no reward term is refused, except under "
+                                   "credit=shared, which credits by no term: there it is let go")
     train: bool = Field(True, description="false: the refiner samples but never updates")
     lr: PositiveFloat = Field(3e-3, description="learning rate (AdamW)")
     update_every: PositiveInt = Field(1, description="update once every this many steps")

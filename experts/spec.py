@@ -48,6 +48,12 @@ class TextEncoderConfig(Strict):
     d_model: PositiveInt = Field(64, description="width of the encoder's transformer")
     n_layers: PositiveInt = Field(2, description="transformer blocks")
     n_heads: PositiveInt = Field(4, description="attention heads per block")
+    max_sequence_length: int = Field(38, ge=2, description="most tokens the encoder reads, whatever the number "
+                                     "of refiners: the composed text (<bos>, the prompt's up to 16 words, then "
+                                     "<sep> and each refiner's words in refiner order) is cut to its first this "
+                                     "many, as a real text encoder's tokenizer truncates at its maximum length, "
+                                     "so the last refiners' words are the ones dropped; 38 holds a full prompt "
+                                     "and three refinements of 6 tokens whole")
     init: str | None = Field(None, description="a safetensors checkpoint to start from (pretrained with the "
                                                "generator by `jointrl pretrain`); None: random initialisation")
 

@@ -22,14 +22,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from experts.records import ExpertInfo, ShardFiles, Snapshot
+from experts.weights import optimizer_tensors
 
 SHARDS = ".optimizer"  # the folder of a sharded expert's optimizer state: <id>.optimizer/
 
 
 def write(folder: Path, expert_id: str, weights: dict, optimizer: dict | ShardFiles | None = None,
           info: ExpertInfo | None = None) -> None:
-    """An expert's snapshot (`Expert.snapshot`): weights {name: array}, an optimizer state_dict (or
-    a sharded expert's ShardFiles) or None, and its ExpertInfo (a pretrained base has none)."""
+    """An expert's snapshot (`Expert.snapshot`): weights {name: array}, an optimizer state_dict (its
+    tensors as they are, or as `optimizer_arrays` made them travel; or a sharded expert's ShardFiles)
+    or None, and its ExpertInfo (a pretrained base has none)."""
     tensors = {f"weights.{k}": torch.tensor(np.asarray(v)).contiguous() for k, v in weights.items()}
     if isinstance(optimizer, ShardFiles):
         shards = folder / f"{expert_id}{SHARDS}"
@@ -37,7 +39,7 @@ def write(folder: Path, expert_id: str, weights: dict, optimizer: dict | ShardFi
         for name, data in optimizer.files.items():
             (shards / name).write_bytes(data)
         optimizer = {"state": {}, "param_groups": optimizer.param_groups}
-    opt = optimizer or {"state": {}, "param_groups": []}
+    opt = optimizer_tensors(optimizer) or {"state": {}, "param_groups": []}
     for pid, entries in opt["state"].items():
         for key, value in entries.items():
             tensors[f"optimizer.{pid}.{key}"] = torch.as_tensor(value).clone().contiguous()

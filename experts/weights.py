@@ -75,6 +75,43 @@ def arrays_of(tensors: dict[str, torch.Tensor], private: bool = False) -> dict[s
     return {k: v.copy() for k, v in arrays.items()} if private else arrays
 
 
+def optimizer_arrays(state: dict, private: bool = False) -> dict:
+    """An optimizer state_dict as it leaves an actor: every tensor of its per-parameter state a
+    numpy array on the host, in `travel_form` (the object store hands numpy out zero-copy, and a
+    receiver without the sender's device, a CPU-only head, never deserializes a device tensor),
+    with the keys of the bfloat16 ones listed under "bfloat16" ("<param>.<key>"); the rest as it is.
+    Views of a CPU optimizer's tensors (Ray copies them as the method returns), or private copies
+    if `private` (in-process, where the next step would change them)."""
+    arrays, bfloat16 = {}, []
+    for pid, entries in state["state"].items():
+        arrays[pid] = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                bfloat16 += [f"{pid}.{key}"] if value.dtype == torch.bfloat16 else []
+                value = travel_form({key: value})[key].cpu().numpy()
+            arrays[pid][key] = copy.deepcopy(value) if private else value
+    groups = copy.deepcopy(state["param_groups"]) if private else state["param_groups"]
+    return {"state": arrays, "param_groups": groups, "bfloat16": bfloat16}
+
+
+def optimizer_tensors(state: dict | None) -> dict | None:
+    """An `optimizer_arrays` state as the state_dict `load_state_dict` takes: its arrays as CPU
+    tensors of their own (the object store's are read-only), bfloat16 ones viewed back from their
+    words. A state_dict of tensors (a checkpoint's) passes as it is."""
+    if state is None or "bfloat16" not in state:
+        return state
+    bfloat16 = set(state["bfloat16"])
+
+    def tensor(name: str, value):
+        if not isinstance(value, np.ndarray):
+            return value
+        out = torch.from_numpy(np.array(value))  # a copy, of any shape (a 0-d step count too)
+        return out.view(torch.bfloat16) if name in bfloat16 else out
+    return {"state": {pid: {key: tensor(f"{pid}.{key}", v) for key, v in entries.items()}
+                      for pid, entries in state["state"].items()},
+            "param_groups": state["param_groups"]}
+
+
 def model_tensors(model: torch.nn.Module, weights: dict, share: bool = False) -> dict[str, torch.Tensor]:
     """Travelled `weights` as the tensors `model` holds (its dtypes and device: a trainer's fp32
     cast to a worker's bfloat16, rounded to nearest). `share`: read them in place (read-only
@@ -92,16 +129,16 @@ def model_tensors(model: torch.nn.Module, weights: dict, share: bool = False) ->
     return out
 
 
-def travel_layout(model: torch.nn.Module) -> list[tuple[str, tuple, torch.dtype, torch.device]]:
-    """(name, shape, dtype, device) of each tensor of `model`'s version as its trainer sends it
-    (`travel_form` of its tensors as the trainer keeps them), in name order: what a copy of the
-    model in another process receives a broadcast into."""
+def travelled(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Empty (meta-device) tensors of the shapes and dtypes of `model`'s version as its trainer sends
+    it (`travel_form` of its tensors as the trainer keeps them: fp32 where it trains a parameter of
+    a low-precision model): what a copy of the model in another process receives a broadcast into."""
     kept = {name: kept_dtype(p) for name, p in model.named_parameters(remove_duplicate=False)}
-    layout = []
-    for name, tensor in sorted(synced_state(model).items()):
+    out = {}
+    for name, tensor in synced_state(model).items():
         dtype = kept.get(name, tensor.dtype)
-        layout.append((name, tuple(tensor.shape), torch.int16 if dtype == torch.bfloat16 else dtype, tensor.device))
-    return layout
+        out[name] = torch.empty(tensor.shape, dtype=torch.int16 if dtype == torch.bfloat16 else dtype, device="meta")
+    return out
 
 
 def load(model: torch.nn.Module, tensors: dict[str, torch.Tensor], assign: bool = False) -> None:

@@ -2,11 +2,13 @@
 costs its samples, never the run or the weights.
 
 `RewardSet` starts every term's batch call together (each on its own thread: a term scored by a
-pool of reward actors waits on the network, one scored here computes), all under one deadline of
-`reward.timeout_s`. A term whose batch call raises or times out is scored again sample by sample to
-find the culprits. Samples that any term failed on, or scored non-finite, are marked invalid
-(their terms set to 0) and counted by kind; the driver leaves invalid samples out of every
-advantage and metric.
+pool of reward actors waits on the network, one scored here computes), all under one deadline
+that grows with the batch: `reward.timeout_s` + n x `reward.timeout_per_image_s` for n images (a
+reward model's time is mostly per image; the fixed part covers a call's overhead and a slow first
+call). A term whose batch call raises or times out is scored again sample by sample, each under
+the deadline of one image, to find the culprits. Samples that any term failed on, or scored
+non-finite, are marked invalid (their terms set to 0) and counted by kind; the driver leaves
+invalid samples out of every advantage and metric.
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ def narrowed(refinements: list[dict], owners: list[str] | None) -> list[dict]:
 
 
 class GuardedTerm:
-    """One term's scorer behind a timeout; a call that hangs is abandoned (its thread runs on)."""
+    """One term's scorer behind a deadline (`seconds(n)` for n images); a call that hangs is
+    abandoned (its thread runs on)."""
 
-    def __init__(self, name: str, scorer: Callable, timeout_s: float):
-        self.name, self.scorer, self.timeout_s = name, scorer, timeout_s
+    def __init__(self, name: str, scorer: Callable, seconds: Callable[[int], float]):
+        self.name, self.scorer, self.seconds = name, scorer, seconds
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reward-{name}")
 
     def submit(self, images, prompts, refinements) -> Future:
@@ -61,9 +64,10 @@ class GuardedTerm:
         for i in range(n):
             try:
                 future = self.submit(images[i:i + 1], prompts[i:i + 1], refinements[i:i + 1])
-                values[i] = self.result(future, 1, time.monotonic() + self.timeout_s)[0]
+                values[i] = self.result(future, 1, time.monotonic() + self.seconds(1))[0]
             except FutureTimeout:
-                ok[i], first = False, first or f"no answer within reward.timeout_s={self.timeout_s}"
+                ok[i], first = False, first or f"no answer within {self.seconds(1):g} s (reward.timeout_s + " \
+                                               f"reward.timeout_per_image_s)"
                 faults["reward_timeout"] += 1
             except Exception as e:
                 ok[i], first = False, first or f"{type(e).__name__}: {e}"
@@ -74,18 +78,24 @@ class GuardedTerm:
 
 
 class RewardSet:
-    def __init__(self, scorers: dict[str, Callable], owners: dict[str, list[str]], timeout_s: float):
+    def __init__(self, scorers: dict[str, Callable], owners: dict[str, list[str]], timeout_s: float,
+                 timeout_per_image_s: float = 0.0):
         """`scorers`: term name -> its scorer (local, or a pool's caller); `owners`: term -> the
-        refiners whose refinements it reads."""
-        self.terms = {t: GuardedTerm(t, fn, timeout_s) for t, fn in scorers.items()}
-        self.owners, self.timeout_s = owners, timeout_s
+        refiners whose refinements it reads; a call of n images may take `timeout_s` +
+        n x `timeout_per_image_s` seconds."""
+        self.terms = {t: GuardedTerm(t, fn, self.seconds) for t, fn in scorers.items()}
+        self.owners, self.timeout_s, self.timeout_per_image_s = owners, timeout_s, timeout_per_image_s
+
+    def seconds(self, n: int) -> float:
+        """The deadline of a reward call of `n` images."""
+        return self.timeout_s + n * self.timeout_per_image_s
 
     def __call__(self, images, prompts, refinements) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
         """(terms, valid per sample, fault counts) for a batch."""
         n = len(prompts)
         faults = dict.fromkeys(FAULTS, 0)
         inputs = {t: (images, prompts, narrowed(refinements, self.owners.get(t))) for t in self.terms}
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.seconds(n)
         futures = {t: g.submit(*inputs[t]) for t, g in self.terms.items()}
         terms, valid = {}, np.ones(n, bool)
         for t, guard in self.terms.items():

@@ -57,6 +57,13 @@ def known_ids(words, limit: int) -> list[int]:
     return [WORD_TO_ID[w] for w in words if w in WORD_TO_ID and WORD_TO_ID[w] not in (PAD, BOS, EOS, SEP)][:limit]
 
 
+def composed_ids(prompt: list[int], segments: list[list[int]], max_len: int | None) -> tuple[int, ...]:
+    """The text the shapes text encoder reads: <bos>, the prompt, then <sep> and each segment (a
+    refinement, in refiner order), cut to its first `max_len` tokens (None: whole), as a real text
+    encoder's tokenizer truncates at its maximum length: what does not fit is the last segments' tail."""
+    return (BOS, *prompt, *[t for segment in segments for t in (SEP, *segment)])[:max_len]
+
+
 @dataclass(frozen=True)
 class ObjectClause:
     shape: str

@@ -46,7 +46,7 @@ def run_training(config, run_dir, inspect_weights: tuple[str, ...] = ()):
     driver = start_driver(config, run_dir)
     get(driver.run.remote())
     info = get(driver.inspect.remote())
-    weights = {e: get(driver.expert_weights.remote(e)) for e in inspect_weights}
+    weights = {e: get(get(driver.expert_weights.remote(e))) for e in inspect_weights}
     stop_driver(driver)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return rows, info, weights

@@ -1,9 +1,11 @@
 """Reward terms that misbehave, for the fault tests (`reward.terms.image.fn=tests.faulty_rewards:<name>`):
 each is the shapes image term, except where it fails."""
 import time
+from pathlib import Path
 
 import numpy as np
 
+from experts.spec import Strict
 from tasks.base import to_uint8
 from tasks.shapes import image_checks
 
@@ -33,3 +35,20 @@ def always_inf(images, prompts, refinements):
 
 
 NOT_CALLABLE = 3
+
+
+class Slow:
+    """The shapes image term, taking `seconds` per call; it touches the file `started` as a call
+    begins, so a test knows a rollout is in its reward phase."""
+
+    class Options(Strict):
+        started: str
+        seconds: float = 2.0
+
+    def __init__(self, options, device):
+        self.options = options
+
+    def __call__(self, images, prompts, refinements):
+        Path(self.options.started).touch()
+        time.sleep(self.options.seconds)
+        return shapes_image(images, prompts)

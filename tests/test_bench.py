@@ -65,11 +65,45 @@ def test_learning_bench_quick_writes_report_and_plot(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "(1 of 2 runs reused" in (tmp_path / "tuned" / "learning.md").read_text()
     tuned = next(work.glob("promptrl_counterfactual+*-seed0"))
-    assert "experts.refiner_0.lr=0.001" in json.loads((tuned / "bench_sets.json").read_text())
+    assert "experts.refiner_0.lr=0.001" in json.loads((tuned / "bench_sets.json").read_text())["sets"]
     assert (work / "promptrl_counterfactual-seed0" / "metrics.jsonl").read_bytes() == untuned
     refused = subprocess.run([sys.executable, "bench/learning.py", "--quick", *tune, "--transfer-study"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--transfer-study" in refused.stderr
+
+
+def test_a_run_is_reused_only_if_made_by_the_same_code_from_the_same_base(tmp_path, monkeypatch):
+    """bench/learning.py's digest covers every file of algorithm/, experts/, tasks/, common/ and every
+    file a run starts from; a run whose marker names other settings, another digest, or none (an
+    older run's bare list of settings) is not finished."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning
+    from driver.config import resolve_config
+    tree = tmp_path / "tree"
+    for folder in learning.CODE:
+        (tree / folder / "__pycache__").mkdir(parents=True)
+        (tree / folder / "module.py").write_text(f"# {folder}\n")
+    base = tmp_path / "base.safetensors"
+    base.write_bytes(b"weights")
+    monkeypatch.setattr(learning, "ROOT", tree)
+    config = resolve_config("shapes", ["experts.base=null", f"experts.generator.init={base}"])
+    digest = learning.code_digest(config)
+    (tree / "experts" / "__pycache__" / "module.cpython.pyc").write_bytes(b"compiled")  # not code
+    assert learning.code_digest(config) == digest
+    (tree / "tasks" / "module.py").write_text("# tasks, changed\n")
+    changed_code = learning.code_digest(config)
+    base.write_bytes(b"other weights")
+    changed_base = learning.code_digest(config)
+    (tree / "common" / "new.py").write_text("")
+    assert len({digest, changed_code, changed_base, learning.code_digest(config)}) == 4
+    run = tmp_path / "run"
+    run.mkdir()
+    sets = ["trainer.seed=0"]
+    (run / "bench_sets.json").write_text(json.dumps({"sets": sets, "code": digest}))
+    assert learning.finished(run, sets, digest)
+    assert not learning.finished(run, sets, changed_code) and not learning.finished(run, ["trainer.seed=1"], digest)
+    (run / "bench_sets.json").write_text(json.dumps(sets))  # made before the digest was recorded
+    assert not learning.finished(run, sets, digest)
 
 
 def test_the_text_study_verdict_compares_each_pair_by_a_measure_that_tells_them_apart():

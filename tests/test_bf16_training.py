@@ -17,7 +17,7 @@ from experts.frontend import build_frontend
 from experts.kinds import build_model
 from experts.parallel import GangSpec
 from experts.trajectories import split_shared, trajectories
-from experts.weights import model_tensors, synced_state, travel_form, travel_layout
+from experts.weights import model_tensors, synced_state, travel_form, travelled
 from tasks.base import TextPrompt
 from tasks.shapes import prompt_set
 from tests.conftest import make_config
@@ -166,7 +166,7 @@ def test_a_version_travels_as_the_trainer_keeps_it_and_a_worker_casts_it(case):
     own = synced_state(worker)
     assert all(loaded[k].dtype == own[k].dtype for k in own)
     assert {v.dtype for v in own.values()} == ({torch.float32} if case == "lora" else {torch.bfloat16})
-    assert travel_layout(worker) == layout(travel_form(synced_state(expert.model)))
+    assert layout(travelled(worker)) == layout(travel_form(synced_state(expert.model)))
 
 
 def test_a_snapshot_of_a_bf16_expert_continues_bit_for_bit():

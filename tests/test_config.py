@@ -49,7 +49,8 @@ def test_yaml_config_and_overrides_resolve(tmp_path):
                                   "experts.generator.train=false", "cluster.mode=inline"])
     assert cfg.experts.n_refiners == 2 and cfg.trainer.steps == 7
     assert cfg.experts.refiners[1].lr == 0.01 and cfg.experts.refiners[1].owns == ["format"]
-    assert cfg.experts.refiners[0].update_every == 3 and cfg.experts.refiners[0].owns == ["fidelity"]
+    # refiner 0 of 2 owns the text terms 0 and 2 (fidelity, format), whatever refiner_1 names
+    assert cfg.experts.refiners[0].update_every == 3 and cfg.experts.refiners[0].owns == ["fidelity", "format"]
     assert cfg.algorithm.credit == "shared" and cfg.experts.generator.train is False
     assert cfg.cluster.mode == "inline"
 
@@ -138,7 +139,7 @@ def test_expert_ids_map_to_their_sections():
     cfg = load_config("shapes", ["experts.base=null", "experts.n_refiners=2", "experts.refiner_1.lr=0.01"])
     assert cfg.experts.ids() == ["refiner_0", "refiner_1", "generator"]
     assert cfg.expert("refiner_1").lr == 0.01 and cfg.expert("generator") is cfg.experts.generator
-    assert cfg.owners() == {"fidelity": ["refiner_0"], "style": ["refiner_1"]}
+    assert cfg.owners() == {"fidelity": ["refiner_0"], "format": ["refiner_0"], "style": ["refiner_1"]}
     only = load_config("shapes", ["experts.generator_only=true"])
     assert only.experts.ids() == ["generator"] and only.expert("refiner_0") is only.experts.refiners[0]
 
@@ -153,3 +154,74 @@ def test_a_pipeline_of_an_unsupported_family_exits_2_naming_what_it_found(no_tra
     assert "experts.generator.model.path" in err and "StableDiffusionXLPipeline" in err
     assert all(family in err for family in ("StableDiffusion3Pipeline", "FluxPipeline", "Flux2KleinPipeline",
                                             "QwenImagePipeline"))
+
+
+def test_refiner_defaults_apply_to_every_refiner_unless_its_own_section_sets_the_key():
+    """`experts.refiner_defaults.<key>` is every refiner's, key by key at any depth, unless the
+    refiner's own section names the key; a list, a mapping or null replaces the default's whole, and
+    a model of another kind replaces its model."""
+    hf = "{kind: hf_causal_lm, path: 'tiny:qwen2', lora: {r: 4, alpha: 8}}"
+    cfg = resolve_config("shapes", ["experts.base=null", "experts.refiner_defaults.kl_beta=0.1",
+                                    "experts.refiner_1.kl_beta=0.2", f"experts.refiner_defaults.model={hf}",
+                                    "experts.refiner_0.model.lora.alpha=2", "experts.refiner_1.model.lora=null",
+                                    "experts.refiner_2.model={kind: tiny_lm, d_model: 32}",
+                                    "experts.refiner_defaults.resources.custom={pool: 1}",
+                                    "experts.refiner_2.resources.custom={other: 2}",
+                                    "experts.refiner_defaults.resources.num_cpus=0.5",
+                                    "experts.refiner_defaults.owns=[style]", "experts.refiner_0.owns=[format]"])
+    r0, r1, r2 = cfg.experts.refiners
+    assert [r.kl_beta for r in (r0, r1, r2)] == [0.1, 0.2, 0.1]
+    assert (r0.model.kind, r0.model.path, r0.model.lora.r, r0.model.lora.alpha) == ("hf_causal_lm", "tiny:qwen2", 4, 2)
+    assert (r1.model.kind, r1.model.path, r1.model.lora) == ("hf_causal_lm", "tiny:qwen2", None)
+    assert (r2.model.kind, r2.model.d_model) == ("tiny_lm", 32)
+    assert [r.resources.custom for r in (r0, r1, r2)] == [{"pool": 1}, {"pool": 1}, {"other": 2}]
+    assert [r.resources.num_cpus for r in (r0, r1, r2)] == [0.5] * 3
+    assert [r.owns for r in (r0, r1, r2)] == [["format"], ["style"], ["style"]]
+    more = resolve_config("shapes", ["experts.base=null", "experts.n_refiners=5", "experts.refiner_defaults.lr=0.01"])
+    assert [r.lr for r in more.experts.refiners] == [0.01] * 5
+
+
+def test_config_keys_and_show_have_the_refiner_defaults(capsys, tmp_path):
+    assert cli.main(["config", "keys"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "experts.refiner_defaults.model.lora.r" in rows and "at any depth" in rows["experts.refiner_defaults"]
+    assert cli.main(["config", "show", "--config", "prompts-tiny", "--set", "experts.refiner_defaults.lr=0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "  refiner_defaults:  # keys every refiner takes" in out
+    (tmp_path / "shown.yaml").write_text(out)  # loads back as the same config
+    assert resolve_config(str(tmp_path / "shown.yaml")) == resolve_config("prompts-tiny", ["experts.refiner_defaults.lr=0.01"])
+
+
+@pytest.mark.parametrize("name", presets.names())
+def test_every_preset_takes_any_number_of_refiners(name):
+    """A preset's refiners share `refiner_defaults`: `--set experts.n_refiners=K` keeps its first K
+    sections and gives the others the defaults, not the schema's; owns goes round robin over the
+    text terms, so every text term has an owner."""
+    base = resolve_config(name)
+    text = [t for t, term in base.reward.terms.items() if not term.needs_images()]
+    for k in (1, 2, 3, 5):
+        cfg = resolve_config(name, [f"experts.n_refiners={k}"])
+        assert len(cfg.experts.refiners) == k
+        for i, r in enumerate(cfg.experts.refiners):
+            model = base.experts.refiners[min(i, base.experts.n_refiners - 1)].model
+            assert (r.model.kind, getattr(r.model, "path", None)) == (model.kind, getattr(model, "path", None))
+            assert (r.lr, r.max_new_tokens, r.resources) == (base.experts.refiners[0].lr,
+                                                               base.experts.refiners[0].max_new_tokens,
+                                                               base.experts.refiners[0].resources)
+        explicit = name == "prompts-tiny"  # its refiners own terms of their own choosing
+        if not explicit:
+            assert set(cfg.owners()) == set(text)
+    with pytest.raises(ConfigError, match="refiner_1 is configured but n_refiners=1"):
+        resolve_config(name, ["experts.n_refiners=1", "experts.refiner_1.lr=0.1"])  # a --set section beyond K
+
+
+def test_owns_names_no_term_under_shared_credit_without_refusal():
+    """Shared credit credits every expert with the total: refiners' `owns` naming terms that are not
+    there are let go (the refiner then owns as if unset), not refused as under per_expert."""
+    ocr = "reward.terms={ocr: {fn: ocr, weight: 1}}"
+    shared = resolve_config("prompts-tiny", [ocr, "algorithm.credit=shared"])  # refiner_0 owns [format] there
+    assert [r.owns for r in shared.experts.refiners] == [["ocr"], ["ocr"]]
+    with pytest.raises(ConfigError, match=r"experts\.refiner_0\.owns names \['format'\], not a reward term"):
+        resolve_config("prompts-tiny", [ocr, "algorithm.credit=per_expert"])
+    kept = resolve_config("prompts-tiny", ["algorithm.credit=shared", "experts.refiner_1.owns=[faithful, nothing]"])
+    assert kept.experts.refiners[1].owns == ["faithful"]

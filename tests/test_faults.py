@@ -22,7 +22,7 @@ def faulty_run(tmp_path, fn, *extra):
 @pytest.mark.parametrize("fn, kind", [("nan_on_counting", "reward_nan"), ("raises_on_position", "reward_error"),
                                       ("hangs_on_two_objects", "reward_timeout")])
 def test_faulty_samples_are_dropped_counted_and_the_rest_train(fn, kind, tmp_path):
-    rows = faulty_run(tmp_path, fn, "reward.timeout_s=0.3")
+    rows = faulty_run(tmp_path, fn, "reward.timeout_s=0.3", "reward.timeout_per_image_s=0.005")
     faults = sum(r[f"faults/{kind}"] for r in rows)
     dropped = sum(r["faults/dropped_samples"] for r in rows)
     assert faults > 0 and dropped >= faults - sum(r.get("counterfactual/generations", 0) for r in rows)

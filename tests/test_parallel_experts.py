@@ -164,3 +164,78 @@ def test_activation_checkpointing_gives_the_same_gradient():
         expert.kind.backward(expert.model, expert.reference, batch, adv)
         grads.append(gradient(expert))
     assert torch.allclose(grads[0], grads[1], atol=1e-6), float((grads[0] - grads[1]).abs().max())
+
+
+def test_the_backend_follows_the_device_and_the_stats_are_reduced_on_it(monkeypatch):
+    """NCCL takes device tensors only: between GPUs the gang's group is `cpu:gloo,cuda:nccl` and the
+    stats are all-reduced on the model's device, in float64 where its collectives carry it."""
+    import torch
+    import torch.distributed as dist
+    from cluster.collective import GroupSpec
+    from experts import parallel
+    assert parallel.backend_for(torch.device("cuda")) == "cpu:gloo,cuda:nccl"
+    assert parallel.backend_for(torch.device("cpu")) == "gloo"
+    assert GroupSpec("h", 1, 1, 2, {}, "nccl", 1.0).device.type == "cuda"
+    assert GroupSpec("h", 1, 1, 2, {}, "gloo", 1.0).device.type == "cpu"
+    reduced = []
+
+    def all_reduce(values):  # two ranks with the same share
+        reduced.append((values.device.type, values.dtype))
+        if values.device.type != "meta":
+            values.mul_(2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    loss, stats = parallel.sum_stats(0.25, {"kl": 0.5, "ratio_mean": 1.0}, torch.device("cpu"))
+    assert (loss, stats) == (0.5, {"kl": 1.0, "ratio_mean": 2.0}) and reduced[-1] == ("cpu", torch.float64)
+    with pytest.raises(RuntimeError, match="meta"):  # a meta tensor has no value to read: where it went counts
+        parallel.sum_stats(0.25, {"kl": 0.5}, torch.device("meta"))
+    assert reduced[-1] == ("meta", torch.float32)
+    assert parallel.stats_dtype(torch.device("cuda")) == torch.float64   # ProcessGroupNCCL maps kDouble to ncclDouble
+    assert parallel.stats_dtype(torch.device("mps")) == torch.float32    # MPS has no float64
+
+
+# Representative errors, as torch raises them: gloo's two as seen here (a peer killed mid all_reduce,
+# a peer that never answers); NCCL's as pytorch writes them (torch/csrc/distributed/c10d/NCCLUtils.hpp
+# C10D_NCCL_CHECK: "NCCL error in: <file>:<line>, <ncclGetErrorString>, NCCL version <v>\n" +
+# NCCLUtils.cpp getNcclErrorDetailStr; NCCLComm::getNcclComm's abort; ProcessGroupNCCL.cpp's watchdog).
+LOST = [
+    RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                 "[127.0.0.1]:6281. This is typically caused by a remote worker crashing."),
+    RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                 "waiting 5000ms for recv operation to complete"),
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, remote process exited or there was a "
+    "network error, NCCL version 2.26.2\nncclRemoteError: A call failed possibly due to a network error or a remote "
+    "process exiting prematurely.",
+    "NCCL communicator was aborted on rank 1.  Original reason for failure was: [PG ID 0 PG GUID 0(default_pg) Rank 1] "
+    "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3, OpType=ALLREDUCE, NumelIn=3, NumelOut=3, "
+    "Timeout(ms)=60000) ran for 60012 milliseconds before timing out.",
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled system error (run with "
+    "NCCL_DEBUG=INFO for details), NCCL version 2.26.2\nncclSystemError: System call (e.g. socket, malloc) or external "
+    "library call failed or device error. ",
+]
+MISUSED = [
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, invalid usage (run with "
+    "NCCL_DEBUG=WARN for details), NCCL version 2.26.2\nncclInvalidUsage: This usually reflects invalid usage of NCCL "
+    "library.",
+]
+WRONG = [RuntimeError("No backend type associated with device type cpu"),
+         TypeError("Input tensor data type is not supported for NCCL process group: Short")]
+
+
+def test_a_lost_peer_is_told_from_a_wrong_call_on_gloo_and_nccl():
+    """A lost peer re-forms the gang (GangBroken); an invalid call (NCCL's invalid usage, a tensor
+    NCCL does not take) is raised as it is, not retried as if a peer had gone."""
+    import torch.distributed as dist
+    from experts.expert import Expert, GangBroken
+    from experts.parallel import Gang, nccl_misused, peer_lost
+    as_error = lambda e: e if isinstance(e, BaseException) else dist.DistBackendError(e)  # noqa: E731
+    assert all(peer_lost(as_error(e)) for e in LOST)
+    assert all(peer_lost(RuntimeError(e)) for e in LOST if isinstance(e, str))  # in words, as an older torch raised them
+    assert peer_lost(dist.DistNetworkError("Connection reset by peer")) and peer_lost(dist.DistStoreError("timeout"))
+    assert not any(peer_lost(as_error(e)) for e in MISUSED + WRONG)
+    assert all(nccl_misused(as_error(e)) for e in MISUSED) and not any(nccl_misused(as_error(e)) for e in LOST)
+    expert = Expert(make_config(preset="shapes-tiny"), "refiner_0")
+    expert.gang = Gang(1, 2, "ddp", 1)
+    for error in map(as_error, LOST + MISUSED + WRONG[:1]):
+        with pytest.raises(GangBroken if peer_lost(error) else type(error)):
+            with expert.among_peers("a test"):
+                raise error

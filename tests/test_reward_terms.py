@@ -3,6 +3,7 @@ batch scored at once on the refinements of its owners, a failing term costing on
 term options checked with the config, and prompts drawn epoch by epoch."""
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -153,3 +154,67 @@ def test_preflight_names_the_readers_package_and_missing_model_files(monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     assert preflight.term_problems("reward.terms.ocr", TermConfig(fn="ocr", rec_model="no/such/rec.onnx")) == [
         "reward.terms.ocr.rec_model: no file at 'no/such/rec.onnx'"]
+
+
+def test_the_deadline_grows_with_the_batch():
+    """A call of n images may take timeout_s + n x timeout_per_image_s: a slow model's whole batch
+    is scored in one call, where one fixed deadline would have timed it out and scored it again
+    sample by sample; a sample that hangs still costs only itself."""
+    calls = []
+
+    def per_image(images, prompts, refinements):  # 0.05 s an image, 1.5 s for a cat
+        calls.append(len(prompts))
+        time.sleep(1.5 if any("cat" in p.text for p in prompts) else 0.05 * len(prompts))
+        return np.ones(len(prompts))
+    batch = [TextPrompt("a dog")] * 12
+    for per_image_s, expected in ((0.1, [12]), (0.0, [12] + [1] * 12)):
+        calls.clear()
+        rewards = RewardSet({"slow": per_image}, {}, timeout_s=0.3, timeout_per_image_s=per_image_s)
+        assert rewards.seconds(12) == pytest.approx(0.3 + 12 * per_image_s)
+        _, valid, faults = rewards(np.zeros((12, 3, 4, 4)), batch, [{}] * 12)
+        assert valid.all() and not any(faults.values()) and calls == expected
+    rewards = RewardSet({"slow": per_image}, {}, timeout_s=0.3, timeout_per_image_s=0.1)
+    _, valid, faults = rewards(np.zeros((3, 3, 4, 4)), [TextPrompt("a dog"), TextPrompt("a cat"), TextPrompt("a cow")],
+                               [{}] * 3)
+    assert valid.tolist() == [True, False, True] and faults["reward_timeout"] == 1
+
+
+class Scorer:
+    """A reward actor in-process: scores each sample by its position in the batch, records its calls."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def score(self, images, prompts, refinements):
+        self.calls.append((self.name, [p.text for p in prompts]))
+        return np.array([float(p.text) for p in prompts])
+
+    def ready(self):
+        return 0
+
+
+def test_a_pooled_term_sends_its_batch_in_calls_of_images_per_call_to_the_actors_in_turn():
+    from cluster.reward_pool import PooledTerm
+    from cluster.runtime import InlineHandle
+    calls = []
+    term = PooledTerm([InlineHandle(Scorer(k, calls)) for k in "ab"], first=1, attempts=0, images_per_call=3)
+    prompts = [TextPrompt(str(i)) for i in range(7)]
+    np.testing.assert_array_equal(term(np.zeros((7, 3, 4, 4)), prompts, [{}] * 7), np.arange(7.0))
+    assert calls == [("b", ["0", "1", "2"]), ("a", ["3", "4", "5"]), ("b", ["6"])]
+    calls.clear()
+    whole = PooledTerm([InlineHandle(Scorer("a", calls))], first=0, attempts=0)  # the whole batch in one call
+    whole(np.zeros((7, 3, 4, 4)), prompts, [{}] * 7)
+    assert calls == [("a", [p.text for p in prompts])]
+
+
+def test_images_per_call_is_a_key_of_a_term_with_reward_actors_and_answers_leave_them_on_the_host():
+    import torch
+
+    from cluster.reward_pool import on_host
+    config = load_config("shapes", ["reward.terms.image.actors=2", "reward.terms.image.images_per_call=8"])
+    assert config.reward.terms["image"].images_per_call == 8 and config.reward.pools()["image"][0] == 2
+    with pytest.raises(ConfigError, match=r"reward.terms.fidelity.images_per_call=8: the term is scored by each "
+                                          r"rollout worker"):
+        load_config("shapes", ["reward.terms.fidelity.images_per_call=8"])
+    out = on_host(torch.tensor([0.5, 1.0], dtype=torch.float64))
+    assert isinstance(out, np.ndarray) and out.tolist() == [0.5, 1.0]

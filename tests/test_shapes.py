@@ -104,3 +104,37 @@ def test_paraphrase_keeps_the_clauses_in_other_words():
         q = paraphrase(p)
         assert q.text != p.text and q.category == p.category
         assert strict_correct(render(p, rng), q) and strict_correct(render(q, rng), p)
+
+
+def test_composed_texts_are_cut_at_the_text_encoders_length_as_documented():
+    """The shapes text encoder reads at most `experts.text_encoder.max_sequence_length` tokens
+    (38: a full prompt and three refinements whole): with five refiners the composed text is cut
+    at its end, the last refiners' words first, and the encoder sees exactly the cut text."""
+    import torch
+
+    from experts.frontend import ShapesFrontEnd
+    from tasks.shapes import BOS, SEP, WORD_TO_ID, composed_ids
+    from tests.conftest import make_config
+    assert composed_ids([4, 5], [[6, 7], [8, 9, 10]], 7) == (BOS, 4, 5, SEP, 6, 7, SEP)
+    assert composed_ids([4, 5], [[6, 7], [8, 9, 10]], None) == (BOS, 4, 5, SEP, 6, 7, SEP, 8, 9, 10)
+    config = make_config("experts.n_refiners=5")
+    length = config.experts.text_encoder.max_sequence_length
+    assert length == 38 == make_config().text_len()  # the default three refiners are never cut
+    frontend = ShapesFrontEnd(config, torch.device("cpu"))
+    long_prompt = P("a large red circle left of a small blue square and the bright green triangle above",
+                    "position", [O("circle", "red"), O("square", "blue")], "left")  # 16 words, the most
+    short_prompt = P("two red circles", "counting", [O("circle", "red", 2)])
+    words = ["bright", "sharp", "clean", "vivid", "bold", "plain"]
+    refs = {f"refiner_{i}": Refinement(" ".join(words[i:] + words[:i]), True) for i in range(5)}
+    full = frontend.condition([long_prompt, short_prompt], [refs, refs])
+    assert full["text"].shape[1] == length and not full["text_pad"].any()  # 1 + 16 + 5 x 7 = 53 cut to 38
+    # the long prompt leaves room for three refinements: refiners 3 and 4 are not read at all
+    first_three = frontend.condition([long_prompt], [{e: r for e, r in refs.items() if e < "refiner_3"}])
+    assert torch.equal(full["text"][:1], first_three["text"])
+    # the short one (1 + 3 + 5 x 7 = 39): refiner_4's last word is the one cut
+    ids = [WORD_TO_ID[w] for w in short_prompt.text.split()]
+    segments = [[WORD_TO_ID[w] for w in refs[f"refiner_{i}"].words] for i in range(5)]
+    cut = composed_ids(ids, segments, length)
+    assert len(cut) == length and cut[-5:] == tuple(segments[4][:5])
+    encoded = frontend.encoder.encoder(torch.tensor([cut]))
+    assert torch.equal(full["text"][1], encoded[0])

@@ -112,3 +112,22 @@ def test_the_first_run_shows_progress_and_pictures_and_no_line_of_rays(tmp_path)
     pictures = [Path(line.strip()) for line in out.splitlines()[-2:]]
     assert [p.name for p in pictures] == ["rewards.png", "samples.png"] and all(p.is_file() for p in pictures)
     assert "Started a local Ray instance" in (run / "ray.log").read_text()  # Ray's lines went there
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_any_number_of_refiners_starts_from_the_shipped_base(n, tmp_path):
+    """The shapes text encoder's length is fixed (longer texts are cut), so the base shipped for the
+    preset's three refiners is the base of one or five: every expert starts from its files, and a
+    couple of steps train."""
+    from tests.conftest import run_training
+    config = load_config("shapes", [f"experts.n_refiners={n}", "trainer.steps=2", "trainer.prompts_per_step=1",
+                                    "algorithm.group_size=4", "algorithm.num_skip_refinement=1",
+                                    "experts.generator.sample_steps=4", "cluster.mode=inline"])
+    base, refiner = sorted(p for p in SHIPPED.iterdir() if p.is_dir())
+    assert config.experts.generator.init == str(base / "generator.safetensors")
+    assert config.experts.text_encoder.init == str(base / "text_encoder.safetensors")
+    assert [r.init for r in config.experts.refiners] == [str(refiner / "refiner.safetensors")] * n
+    rows, info, _ = run_training(config, tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert sorted(info["experts"]) == sorted([*(f"refiner_{i}" for i in range(n)), "generator"])
+    assert all(info["experts"][e]["version"] == 2 for e in info["experts"])

@@ -39,7 +39,9 @@ class Options(Strict):
                                                    "pin a commit for runs that repeat); None: its default branch. "
                                                    "The other models a term names load their default branch")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the model's dtype")
-    batch_size: int = Field(16, ge=1, description="images per forward pass")
+    batch_size: int = Field(16, ge=1, description="images per forward pass: every call (from a rollout worker, "
+                                                  "or of `images_per_call` images to a reward actor) runs in "
+                                                  "passes of this many")
 
 
 class RewardModel:

@@ -1,12 +1,15 @@
 """One reward term's config section (`reward.terms.<name>`) and the scorer it builds.
 
-Keys beyond `fn`, `weight`, `actors` and `resources` are the scorer's options: a built-in
-declares them in its `Options` (unknown keys are config errors, named with the term); a user's
-class may declare them the same way; a plain function takes none.
+Keys beyond `fn`, `weight`, `actors`, `resources` and `images_per_call` are the scorer's options: a
+built-in declares them in its `Options` (unknown keys are config errors, named with the term); a
+user's class may declare them the same way; a plain function takes none. Two batch sizes meet
+here: `images_per_call` is how many images a rollout worker sends one of the term's reward actors
+per call (the shell's concern), a built-in's `batch_size` how many of them its model takes per
+forward pass (the scorer's: a call of 64 images at `batch_size` 16 is four passes).
 """
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, ValidationError, model_validator
+from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
 from common.config import Resources, Strict
 from tasks.rewards import BUILTINS, is_model, resolve
@@ -23,6 +26,12 @@ class TermConfig(Strict):
                                                             "worker scores it; None: `reward.actors`")
     resources: Resources | None = Field(None, description="what each of this term's reward actors reserves; "
                                                           "None: `reward.resources`")
+    images_per_call: PositiveInt | None = Field(None, description="images a rollout worker sends one of this "
+                                                "term's reward actors per call: a batch goes in calls of this "
+                                                "many, to the pool's actors in turn and at once (each scorer "
+                                                "then runs a call in forward passes of its own `batch_size`); "
+                                                "None: the whole batch in one call. Only for a term scored "
+                                                "by reward actors")
 
     @model_validator(mode="after")
     def _builtin_options(self):
