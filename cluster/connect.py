@@ -8,13 +8,15 @@ from pathlib import Path
 import ray
 
 
-def connect(address: str | None, num_cpus: int | None = None, log_file: Path | None = None) -> None:
+def connect(address: str | None, num_cpus: int | None = None, log_file: Path | None = None,
+            num_gpus: int | None = None) -> None:
     """Attach to `address` (or RAY_ADDRESS, as under `ray job submit`), else start Ray locally.
 
     A local Ray binds to 127.0.0.1 and runs without the dashboard; token authentication stays
     at Ray's default (on). `log_file`: Ray's own log lines (its start, the token authentication
     notice) go there instead of the terminal, and the actors' output stays in Ray's session logs
-    (a failure still reaches the caller as an exception).
+    (a failure still reaches the caller as an exception). `num_gpus`: the GPUs a local Ray declares
+    (it does not look for them: `jointrl plan --place` checks a placement on a machine without any).
     """
     if ray.is_initialized():
         return
@@ -27,7 +29,7 @@ def connect(address: str | None, num_cpus: int | None = None, log_file: Path | N
     if address:
         ray.init(address=address, namespace="jointrl", **quiet)
     else:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="jointrl",
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, namespace="jointrl",
                  _node_ip_address="127.0.0.1", **quiet)
     if to_file:
         only_to(logging.getLogger("ray"), to_file)

@@ -6,6 +6,12 @@ An actor that asks for nothing (the default: `num_cpus=0`) gets no bundle and is
 `cluster.colocate=true` puts experts and rollout workers in one group (`cluster.placement` packs or
 spreads them together); false reserves two groups, the trainers' and the rollout workers', each
 placed on its own terms (disaggregated, as when training and generation want different nodes).
+
+On a cluster with GPUs the placement follows the memory plan (driver/plan.py, given here as its
+GPU groups): one bundle per planned GPU, {"GPU": 1} plus its actors' CPUs, each actor scheduled
+into its GPU's bundle with its share of it (1, or 1/k for k actors the plan lets share a GPU), so
+the GPU Ray gives each actor is the plan's and no two actors share a device the plan kept apart
+(a fraction limits no memory). The actors without a GPU keep their bundles as above.
 """
 from __future__ import annotations
 
@@ -51,11 +57,18 @@ def shortfall(bundles: list[dict[str, float]], total: dict[str, float]) -> dict[
 class Placement:
     """The run's placement groups and, per actor, the options that schedule it into its bundle."""
 
-    def __init__(self, config, run_name: str):
+    def __init__(self, config, run_name: str, gpu_groups: list[list[tuple[str, float]]] | None = None):
+        """`gpu_groups`: the plan's GPUs that hold actors, each [(actor name, its share)]."""
         self.options: dict[str, dict] = {}
         self.groups = []
         strategy = config.cluster.placement.upper()
-        for group, actors in demand(config).items():
+        groups = demand(config)
+        if gpu_groups:
+            planned = {name for gpu in gpu_groups for name, _ in gpu}
+            asked = {name: b for actors in groups.values() for name, b in actors.items()}
+            groups = {g: {n: b for n, b in actors.items() if n not in planned} for g, actors in groups.items()}
+            self.reserve_gpus(config, run_name, gpu_groups, asked, strategy)
+        for group, actors in groups.items():
             if not actors:
                 continue
             pg = placement_group(list(actors.values()), strategy=strategy, name=f"{run_name}/{group}")
@@ -66,6 +79,28 @@ class Placement:
                 raise PlacementError(self.describe(group, actors, strategy, config.cluster.placement_timeout_s))
             for index, name in enumerate(actors):
                 self.options[name] = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=False)}
+
+    def reserve_gpus(self, config, run_name: str, gpu_groups: list, asked: dict, strategy: str) -> None:
+        """One bundle per planned GPU ({"GPU": 1} and its actors' other resources), each actor in its own."""
+        bundles = []
+        for gpu in gpu_groups:
+            b = {"GPU": 1.0}
+            for name, _ in gpu:
+                for k, v in asked.get(name, {}).items():
+                    if k != "GPU":
+                        b[k] = b.get(k, 0.0) + v
+            bundles.append(b)
+        pg = placement_group(bundles, strategy=strategy, name=f"{run_name}/gpus")
+        self.groups.append(pg)
+        ready, _ = ray.wait([pg.ready()], timeout=config.cluster.placement_timeout_s)
+        if not ready:
+            self.release()
+            actors = {"+".join(n for n, _ in gpu): b for gpu, b in zip(gpu_groups, bundles)}
+            raise PlacementError(self.describe("gpus", actors, strategy, config.cluster.placement_timeout_s))
+        for index, gpu in enumerate(gpu_groups):
+            for name, share in gpu:
+                self.options[name] = {"num_gpus": share, "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=False)}
 
     @staticmethod

@@ -100,6 +100,6 @@ class Runtime:
     def spawn_member(self, cls, *args, name: str, resources=None):
         """An actor of the run: Ray restarts it when it dies (its state is restored by whoever holds
         it), it reserves `resources`, and it runs in its placement bundle if it reserved one."""
-        return self.spawn(cls, *args, name=name, max_restarts=self.max_restarts, max_task_retries=0,
-                          **(resources.options() if resources else {}),
-                          **(self.placement.options.get(name, {}) if self.placement else {}))
+        options = {**(resources.options() if resources else {}),  # the placement's share of a GPU overrides the ask
+                   **(self.placement.options.get(name, {}) if self.placement else {})}
+        return self.spawn(cls, *args, name=name, max_restarts=self.max_restarts, max_task_retries=0, **options)

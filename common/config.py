@@ -23,7 +23,9 @@ class Resources(Strict):
     """What one actor reserves from Ray; `custom` names resources a node advertises (e.g. a pool)."""
     num_cpus: NonNegativeFloat = Field(0.0, description="CPUs the actor reserves (fractions share a CPU)")
     num_gpus: NonNegativeFloat = Field(0.0, description="GPUs the actor reserves (fractions share a GPU); "
-                                                        "> 0 also places its model on the GPU")
+                                                        "> 0 also places its model on the GPU. On a cluster with "
+                                                        "GPUs the memory plan (`jointrl plan`) decides which GPU "
+                                                        "and the actor's share of it")
     custom: dict[str, NonNegativeFloat] = Field({}, description="custom Ray resources by name, e.g. {pool: 0.01} "
                                                                 "to land only on nodes that advertise `pool`")
 

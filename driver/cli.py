@@ -67,7 +67,19 @@ def parse_args(argv):
                          "10.png)")
     sc.add_argument("--json", action="store_true", help='print {"term", "mean", "scores", "files"[, "strict"]} '
                                                         "as JSON instead of the table")
-    for sp in (t, pre, e, s, r, c, sc, d):
+    pl = sub.add_parser("plan", help="the memory plan of a config: per actor and per GPU, from its models' real "
+                                     "architectures (nothing is downloaded); exit 2 if it cannot fit")
+    pl.add_argument("--gpus", type=int, default=None, help="GPUs per node of the target (default: the connected Ray "
+                                                           "cluster's, else plan.target.gpus_per_node)")
+    pl.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="memory of each GPU in GB (default: "
+                                                                                "plan.target.gpu_memory_gb)")
+    pl.add_argument("--nodes", type=int, default=None, help="nodes of the target (default: plan.target.nodes)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON: per actor gpus, params, bytes")
+    pl.add_argument("--place", action="store_true", help="reserve the plan's placement on Ray (a private local Ray "
+                                                         "declaring the target's GPUs when no cluster is named), start "
+                                                         "one placeholder per actor, report the GPU ids Ray gives each "
+                                                         "beside the plan's, then release everything")
+    for sp in (t, pre, e, s, r, c, sc, d, pl):
         sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes; on a run, "
                                                        "its keys are applied on top of the run's saved config)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -373,6 +385,34 @@ def run_download(args) -> int:
     return 1 if failed else 0
 
 
+def run_plan(args) -> int:
+    """`jointrl plan`: the plan, as a report or JSON; with --place, the placement Ray gives it."""
+    from driver.config import resolve_config
+    from driver.plan import PlanError, plan_for, report, target_for
+    config = resolve_config(args.config, args.overrides)
+    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--gpu-memory", args.gpu_memory)):
+        if value is not None and (value < 0 or flag != "--gpus" and value <= 0):
+            raise PlanError(f"{flag} {value}: must be {'at least 0' if flag == '--gpus' else 'positive'}")
+    plan = plan_for(config, target_for(config, args.gpus, args.gpu_memory, args.nodes))
+    placed = None
+    if args.place:
+        from cluster.place_check import placed_ids
+        from cluster.placement import PlacementError
+        try:
+            placed = placed_ids(config, plan.gpu_groups(), plan.target.gpus, verbose=config.logging.ray_verbose)
+        except PlacementError as e:
+            raise PlanError(f"--place: {e}; everything reserved was released") from None
+    if args.json:
+        print(json.dumps({**plan.to_json(), **({"placed": placed} if placed is not None else {})}, indent=2))
+    else:
+        print(report(plan))
+        if placed is not None:
+            print("\nplacement on Ray (GPU ids Ray gave each actor, beside the plan's):")
+            for name, ids in placed.items():
+                print(f"  {name}: Ray {ids}, plan {plan.actors[name].gpus}")
+    return 0
+
+
 def run_config_docs(args) -> int:
     """`jointrl config show|keys`: the schema's documentation; show skips the preflight checks, so a
     config that names models or files absent here can still be read."""
@@ -394,7 +434,7 @@ def main(argv=None) -> int:
     try:
         return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
                 "report": run_report, "config": run_config_docs, "score": run_score,
-                "download": run_download}[args.command](args)
+                "download": run_download, "plan": run_plan}[args.command](args)
     except ConfigError as e:
         return config_error(e)
     except KeyboardInterrupt:

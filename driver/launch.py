@@ -39,7 +39,7 @@ def start_driver(config, run_dir: Path, resume: Path | None = None, expert_cls=E
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        placement = Placement(config, config.trainer.run_name)  # raises PlacementError, naming what is missing
+        placement = Placement(config, config.trainer.run_name, planned_gpus(config))  # raises PlacementError
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         driver = Runtime("ray", config.trainer.run_name).spawn(
             DriverActor, config, str(Path(run_dir).resolve()), resume, placement, expert_cls, name="driver",
@@ -52,6 +52,18 @@ def start_driver(config, run_dir: Path, resume: Path | None = None, expert_cls=E
             raise
     save_config(config, run_dir)
     return driver
+
+
+def planned_gpus(config) -> list[list[tuple[str, float]]] | None:
+    """The memory plan's GPUs (per GPU: its actors and their shares) on a Ray cluster with GPUs,
+    for a run that asks for GPUs; None otherwise (driver/plan.py)."""
+    import ray
+
+    from driver.plan import cluster_target, plan_for
+    from driver.preflight import gpu_asks
+    if ray.cluster_resources().get("GPU", 0) <= 0 or not any(r.num_gpus > 0 for r in gpu_asks(config)):
+        return None
+    return plan_for(config, cluster_target(config)).gpu_groups()
 
 
 def follow(driver, done, on_row=None, seen: int = 0, until=None, interval_s: float = 0.5) -> int:

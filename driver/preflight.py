@@ -217,41 +217,54 @@ def task_problems(config: Config) -> list[str]:
     return problems
 
 
-def step_bytes(config: Config) -> int:
-    """A lower bound on one step's memory: the trajectories (every state of every sample, held by a
-    rollout worker, the object store and the generator expert) and, for the tiny DiT, the
-    activations its update keeps for every trained transition at once."""
-    g, t = config.experts.generator, config.trainer
-    samples, steps, side = t.prompts_per_step * config.algorithm.group_size, g.sample_steps, config.task.image_size
-    latent = 3 * side * side if g.model.kind == "tiny_dit" else 16 * (side // 8) ** 2
-    total = 3 * samples * (steps + 1) * latent * 4
-    if g.model.kind == "tiny_dit":
-        trained = (g.sde_window[1] - g.sde_window[0]) if g.sde_window else steps
-        tokens = (side // g.model.patch) ** 2 + config.text_len()
-        total += samples * trained * tokens * g.model.d_model * g.model.n_layers * 4 * 12
-    return total
-
-
 def memory_problem(config: Config, have: float | None = None, where: str = "this machine") -> str | None:
-    """Why a step cannot fit in `have` bytes (default: this machine's memory, for a run on a Ray of
-    its own; a cluster's is checked once connected, with what Ray reports); None if it may."""
+    """Why a CPU run cannot fit in `have` bytes (default: this machine's memory, for a run on a Ray of
+    its own; a cluster's is checked once connected, with what Ray reports); None if it may. The
+    need is the memory plan's (driver/plan.py): every actor's models, optimizer state,
+    activations, trajectories and caches, all held in host memory (a model whose config files are
+    not here yet is not sized: it is fetched when loaded). A run that asks for GPUs is planned
+    against them once connected (`fits_cluster`)."""
     import os
+
+    from driver.plan import PlanError, UnknownArchitecture, host_plan, wants_gpu
+    if any(wants_gpu(r) for r in gpu_asks(config)):
+        return None
     if have is None:
         if config.cluster.address or os.environ.get("RAY_ADDRESS"):
             return None
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    need = step_bytes(config)
-    if need <= have:
+    try:
+        plan = host_plan(config)
+    except UnknownArchitecture:  # a hub model whose config files are not here: sized once it is fetched
         return None
-    return (f"trainer.prompts_per_step x algorithm.group_size x experts.generator.sample_steps x task.image_size: "
-            f"one step needs at least {need / 2**30:.1f} GiB (its trajectories and the generator's update), "
-            f"{where} has {have / 2**30:.1f} GiB; lower one of them")
+    except PlanError as e:
+        return str(e)
+    if plan.host_bytes <= have:
+        return None
+    largest = max(plan.actors.values(), key=lambda a: a.total)
+    part = max(largest.bytes, key=largest.bytes.get)
+    return (f"trainer.prompts_per_step x algorithm.group_size, the models and their batches: one step needs "
+            f"{plan.host_bytes / 2**30:.1f} GiB by the memory plan (`jointrl plan`; the largest actor {largest.name}, "
+            f"{largest.total / 2**30:.1f} GiB, most of it {part}), {where} has {have / 2**30:.1f} GiB; lower them")
+
+
+def gpu_asks(config: Config) -> list:
+    """The resources of every actor that may ask for a GPU."""
+    return [*(config.expert(e).resources for e in config.experts.ids()), config.cluster.rollout_resources,
+            *(resources for _, resources in config.reward.pools().values())]
 
 
 def fits_cluster(config: Config) -> None:
-    """Once connected to a cluster: refuse a step bigger than the memory Ray reports for it."""
+    """Once connected to a cluster: a run that asks for GPUs is planned against the cluster's GPUs
+    (driver/plan.py; PlanError names the actor, its part and the shortfall); a CPU run's memory
+    plan is checked against the memory Ray reports."""
     import ray
+
+    from driver.plan import cluster_target, plan_for, wants_gpu
     resources = ray.cluster_resources()
+    if resources.get("GPU", 0) > 0 and any(wants_gpu(r) for r in gpu_asks(config)):
+        plan_for(config, cluster_target(config))
+        return
     have = resources.get("memory", 0) + resources.get("object_store_memory", 0)
     if have and (too_big := memory_problem(config, have, "the Ray cluster")):
         raise ConfigError(invalid([too_big]))

@@ -1,0 +1,500 @@
+"""What a model costs in memory, read from its architecture alone: nothing is downloaded, no weight
+is allocated.
+
+Every model is built on the meta device from its config files (a diffusers pipeline's
+model_index.json and each component's config.json, a transformers config.json). They are read
+from, in order: a local folder named by the config; the local Hugging Face cache, if it holds the
+model's config files; the copies shipped in configs/architectures/<org>/<name> (their sources in
+the README there), so the presets' real models are known without the hub; `tiny:<kind>` is built
+locally as everywhere else. Counts are of parameters and persistent buffers: what a checkpoint
+holds (SD3's positional embedding is a buffer of 226 M values).
+
+Activations are measured, not fitted: one forward pass of the real module on the meta device, at
+the real token counts of one sample, traced operation by operation (`Trace`). Every tensor
+autograd keeps for the backward pass is recorded (`torch.autograd.graph.saved_tensors_hooks`, each
+storage once, weights excluded) under the same `requires_grad` as training (all parameters for a
+full fine-tune, only the adapter under LoRA, so a frozen linear keeps no input), and at each
+operation what is live: what has been kept so far plus the operation's own inputs and outputs.
+Attention is taken as the fused kernel a GPU runs (flash or memory-efficient attention keep q, k,
+v, the output and its log-sum-exp, never the score matrix; the meta device would otherwise trace
+the unfused math). Each kept tensor is attributed to the repeated block it was saved in
+(experts/parallel.py `blocks`, the unit activation checkpointing recomputes), so the same pass
+gives the update's peak both without checkpointing (the pass's largest live total) and with it
+(every block's inputs, plus the largest live total within one block as it is recomputed). The
+backward pass is taken to peak where the forward does: it visits the same operations in reverse,
+each with its gradients in place of its outputs while everything saved before it is still kept.
+A pass without gradients (sampling, the reference, a VAE decode, a reward model) is measured as
+its working set: the largest operation's inputs and outputs, plus the largest block input held
+beside them (the residual stream). bench/plans.py measures the estimate against the update's
+peak memory on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from common.hub import is_tiny, local_model
+from experts.parallel import blocks
+
+ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "architectures"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+META = torch.device("meta")
+
+
+class UnknownModel(ValueError):
+    """A model whose config files are neither in a local folder, the Hugging Face cache nor the
+    shipped architectures."""
+
+
+# --- where a model's config files are --------------------------------------------------------------
+
+
+def config_folder(path: str, revision: str | None = None) -> Path:
+    """The folder holding `path`'s config files (see the module docstring for the order)."""
+    if is_tiny(path):
+        return Path(local_model(path))
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file() and not (local / "model_index.json").is_file():
+            raise UnknownModel(f"'{path}' is a folder without config.json or model_index.json: not a saved model")
+        return local
+    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        cached = hub_cache_folder(path, revision)
+        if cached is not None:
+            return cached
+        shipped = ARCHITECTURES / path
+        if shipped.is_dir():
+            return shipped
+    raise UnknownModel(f"no config files for '{path}': not a local model folder, not in the Hugging Face cache "
+                       f"and not among the architectures shipped in {ARCHITECTURES} "
+                       f"({', '.join(shipped_models())}); download it first (huggingface-cli download {path} "
+                       f"--include '*.json') or point the key at a local folder")
+
+
+def hub_cache_folder(repo: str, revision: str | None) -> Path | None:
+    """The snapshot folder of `repo` in the local Hugging Face cache, if it holds the model's
+    config files (every component's, for a pipeline); never goes to the network."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    for name in ("model_index.json", "config.json"):
+        found = try_to_load_from_cache(repo, name, revision=revision)
+        if isinstance(found, str):
+            folder = Path(found).parent
+            if name == "config.json" or all((folder / part / "config.json").is_file()
+                                            for part in weighted_components(folder)):
+                return folder
+    return None
+
+
+def shipped_models() -> list[str]:
+    return sorted(str(p.parent.relative_to(ARCHITECTURES)) for p in ARCHITECTURES.glob("*/*/*.json")
+                  if p.name in ("config.json", "model_index.json"))
+
+
+def weighted_components(folder: Path) -> dict[str, tuple[str, str]]:
+    """A pipeline's components that hold weights: name -> (library, class)."""
+    index = json.loads((folder / "model_index.json").read_text())
+    return {name: tuple(spec) for name, spec in index.items()
+            if isinstance(spec, list) and spec[0] in ("diffusers", "transformers")
+            and not name.startswith(("tokenizer", "scheduler", "processor", "feature_extractor"))}
+
+
+def index_class(folder: Path) -> str:
+    """The pipeline class a model_index.json names (its family)."""
+    return json.loads((folder / "model_index.json").read_text()).get("_class_name", "?")
+
+
+# --- models on the meta device ---------------------------------------------------------------------
+
+
+def in_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module` cast to `dtype` (on the meta device nothing is copied; diffusers' notice that a cast
+    after loading may differ from loading in the dtype does not apply to a count and is silenced)."""
+    from diffusers.utils import logging as diffusers_logging
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        return module.to(dtype)
+    finally:
+        diffusers_logging.set_verbosity(level)
+
+
+def meta_component(folder: Path, library: str, cls: str) -> nn.Module:
+    """A diffusers or transformers class from the config in `folder`, on the meta device."""
+    found = getattr(importlib.import_module(library), cls)
+    with META:
+        if library == "diffusers":
+            return found.from_config(found.load_config(folder))
+        from transformers import AutoConfig
+        return found._from_config(AutoConfig.from_pretrained(folder))
+
+
+def meta_causal_lm(folder: Path) -> nn.Module:
+    """The causal LM of the config in `folder` (as AutoModelForCausalLM loads it), on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with META:
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+
+
+def meta_pretrained(folder: Path) -> nn.Module:
+    """A transformers model of the class its config.json names, on the meta device."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(folder)
+    cls = getattr(importlib.import_module("transformers"), (config.architectures or ["AutoModel"])[0])
+    with META:
+        return cls._from_config(config)
+
+
+def count(module: nn.Module) -> int:
+    """Parameters and persistent buffers: what the module's checkpoint holds."""
+    persistent = sum(b.numel() for name, b in module.named_buffers()
+                     if name.rsplit(".", 1)[-1] not in getattr(_owner(module, name), "_non_persistent_buffers_set", ()))
+    return sum(p.numel() for p in module.parameters()) + persistent
+
+
+def _owner(module: nn.Module, name: str) -> nn.Module:
+    return module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+
+
+def is_diffusers_model(module: nn.Module) -> bool:
+    from diffusers import ModelMixin
+    return isinstance(module, ModelMixin)
+
+
+def add_lora(module: nn.Module, lora, targets) -> int:
+    """Attach `lora` (a LoraConfig section) with peft, as the expert does; the adapter's count."""
+    from peft import LoraConfig
+    before = sum(p.numel() for p in module.parameters())
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=lora.target_modules or targets)
+    with META:  # the adapter on the meta device too (no initialisation runs)
+        if is_diffusers_model(module):
+            module.add_adapter(config)  # diffusers' own, as the generator attaches it
+        else:
+            from peft import inject_adapter_in_model
+            inject_adapter_in_model(config, module)
+    for name, p in module.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return sum(p.numel() for p in module.parameters()) - before
+
+
+# --- activations ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes of one sample's forward pass with gradients, from a trace of what is live at each
+    operation: what autograd has kept so far (for the backward pass) plus the operation's own
+    inputs and outputs not already kept. `outside` and `blocks` are what the pass keeps outside
+    the repeated blocks and in them; `block_inputs` the blocks' inputs (what activation
+    checkpointing keeps instead); `peak` the largest live total over the pass; `block_peak` the
+    largest over one block's operations of what that block kept so far plus the operation's (one
+    block recomputed under checkpointing). The backward pass goes through the same operations in
+    reverse, each with its gradients in place of its outputs while everything saved before it is
+    still kept, so its peak is taken as the forward's."""
+    outside: int
+    block_inputs: int
+    blocks: int
+    peak: int
+    block_peak: int
+
+    def kept(self, batch: int, checkpointing: bool) -> int:
+        """What a forward pass of `batch` samples keeps until its backward pass."""
+        return batch * (self.outside + (self.block_inputs if checkpointing else self.blocks))
+
+    def update_peak(self, batch: int, checkpointing: bool, no_grad_pass: int = 0) -> int:
+        """The most a forward and backward pass of `batch` samples holds at once; `no_grad_pass`:
+        the working set of a pass without gradients run while the forward's tensors are kept (the
+        reference's, for the KL), per sample."""
+        kept = self.kept(1, checkpointing)
+        inner = kept + self.block_peak if checkpointing else self.peak
+        return batch * max(inner, kept + no_grad_pass)
+
+
+def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """scaled_dot_product_attention as a fused kernel: it keeps q, k, v, out and the log-sum-exp."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # the kernel takes an additive mask
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def fused_kernels():
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = fused_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def storage_key(t: torch.Tensor):
+    return t.untyped_storage()._cdata
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward pass of one sample: with gradients, its activations; without, its working set
+    (the largest operation's inputs and outputs plus the largest block input held beside them)."""
+    kept: Activations
+    working_set: int
+
+
+class Trace(TorchDispatchMode):
+    """Follows a forward pass on the meta device: every tensor autograd saves (each storage once,
+    weights aside) attributed to the repeated block it was saved in, and at each operation what is
+    live (see `Activations`)."""
+
+    def __init__(self, weights: set, n_blocks: int):
+        super().__init__()
+        self.weights, self.saved = weights, set()
+        self.outside, self.per_block, self.inputs = 0, [0] * n_blocks, 0
+        self.block, self.peak, self.block_peak, self.largest_op, self.held = None, 0, 0, 0, 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in self.weights and key not in self.saved:
+            self.saved.add(key)
+            if self.block is None:
+                self.outside += nbytes(t)
+            else:
+                self.per_block[self.block] += nbytes(t)
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = {storage_key(t): t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)}
+        tensors = {k: t for k, t in tensors.items() if k not in self.weights}
+        self.largest_op = max(self.largest_op, sum(map(nbytes, tensors.values())))
+        transient = sum(nbytes(t) for k, t in tensors.items() if k not in self.saved)
+        self.peak = max(self.peak, self.outside + sum(self.per_block) + transient)
+        if self.block is not None:
+            self.block_peak = max(self.block_peak, self.per_block[self.block] + transient)
+        return out
+
+    def enter(self, i: int):
+        def hook(module, args, kwargs):
+            self.block = i
+            size = sum(nbytes(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+                       and a.is_floating_point() and storage_key(a) not in self.weights)
+            self.inputs += size
+            self.held = max(self.held, size)
+        return hook
+
+    def leave(self, module, args, output):
+        self.block = None
+
+
+def measure(model: nn.Module, run, grad: bool = True) -> Pass:
+    """`run()`, one forward pass of `model` on meta tensors of one sample, traced (with gradients
+    if `grad`, else without)."""
+    units = blocks(model)
+    weights = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    trace = Trace(weights, len(units))
+    handles = [h for i, u in enumerate(units) for h in (u.register_forward_pre_hook(trace.enter(i), with_kwargs=True),
+                                                          u.register_forward_hook(trace.leave))]
+    saving = torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t) if grad else torch.no_grad()
+    try:
+        with fused_kernels(), saving, trace:
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    kept = Activations(trace.outside, trace.inputs, sum(trace.per_block), trace.peak, trace.block_peak)
+    return Pass(kept, trace.largest_op + trace.held)
+
+
+# --- the generator ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GeneratorArchitecture:
+    """The generator of a config, per sample: its transformer, its frozen front end (text
+    encoders and VAE) and adapter by parameter count, its latent grid and token counts, and what
+    one sample costs through the transformer (trained and sampled), the VAE and the text cache."""
+    family: str
+    transformer: int
+    largest_block: int
+    lora: int
+    frontend: dict[str, int]
+    latent_shape: tuple[int, ...]
+    image_tokens: int
+    text_tokens: int
+    train: Activations
+    sample_working_set: int
+    decode_working_set: int
+    text_features: int
+
+    @property
+    def latent_numel(self) -> int:
+        return math.prod(self.latent_shape)
+
+
+# per family: the conditioning its velocity reads, as {name: (shape of one sample, dtype or None for
+# the model's)} from the transformer's config and the model section; the text tokens it attends to
+CONDITIONING = {
+    # SD3: CLIP-L and CLIP-G's 77 tokens beside T5's, joint_attention_dim wide; the pooled CLIPs
+    "StableDiffusion3Pipeline": lambda c, m: ({"prompt_embeds": ((77 + m.max_sequence_length, c["joint_attention_dim"]),
+                                                                 None),
+                                               "pooled": ((c["pooled_projection_dim"],), None)},
+                                              77 + m.max_sequence_length),
+    # FLUX.1: T5's tokens, CLIP's pooled embedding
+    "FluxPipeline": lambda c, m: ({"prompt_embeds": ((m.max_sequence_length, c["joint_attention_dim"]), None),
+                                   "pooled": ((c["pooled_projection_dim"],), None)}, m.max_sequence_length),
+    # FLUX.2 klein: three Qwen3 layers side by side per token (joint_attention_dim)
+    "Flux2KleinPipeline": lambda c, m: ({"prompt_embeds": ((m.max_sequence_length, c["joint_attention_dim"]), None)},
+                                        m.max_sequence_length),
+    # Qwen-Image: Qwen2.5-VL's last hidden states and their mask (padded at most to max_sequence_length)
+    "QwenImagePipeline": lambda c, m: ({"prompt_embeds": ((m.max_sequence_length, c["joint_attention_dim"]), None),
+                                        "prompt_embeds_mask": ((m.max_sequence_length,), torch.bool)},
+                                       m.max_sequence_length),
+}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@functools.lru_cache(maxsize=32)
+def _generator(path: str, revision: str | None, model_json: str, image_size: int) -> GeneratorArchitecture:
+    from experts.families import FAMILIES
+    from experts.generator import DiffusersFlowConfig
+    m = DiffusersFlowConfig.model_validate_json(model_json)
+    folder = config_folder(path, revision)
+    family = index_class(folder)
+    if family not in FAMILIES or family not in CONDITIONING:
+        raise UnknownModel(f"'{path}' holds a {family}; the generator families supported are {', '.join(FAMILIES)}")
+    module = importlib.import_module(FAMILIES[family])
+    parts = weighted_components(folder)
+    built = {name: meta_component(folder / name, *spec) for name, spec in parts.items()}
+    transformer = built.pop("transformer")
+    dtype = dtype_of(m.dtype)
+    in_dtype(transformer, dtype)
+    size = count(transformer)
+    largest = max((count(b) for b in blocks(transformer)), default=size)
+    lora = add_lora(transformer, m.lora, module.Velocity.LORA_TARGETS) if m.lora else 0
+    if not m.lora:
+        transformer.requires_grad_(True)
+    velocity = module.Velocity.__new__(module.Velocity)  # the family's own forward, on the meta transformer
+    nn.Module.__init__(velocity)
+    velocity.transformer, velocity.spec = transformer, m
+    frontend = module.FrontEnd.__new__(module.FrontEnd)  # the family's own latent grid, from its meta VAE
+    frontend.config = SimpleNamespace(task=SimpleNamespace(image_size=image_size))
+    frontend.spec, frontend.vae = m, built["vae"]
+    latent_shape = tuple(frontend.latent_grid(image_size))
+    shapes, text_tokens = CONDITIONING[family](dict(transformer.config), m)
+
+    def inputs(batch: int):
+        x = torch.empty((batch, *latent_shape), device=META)
+        cond = {k: torch.empty((batch, *shape), device=META, dtype=dt or dtype) for k, (shape, dt) in shapes.items()}
+        return x, torch.empty(batch, device=META), cond
+    one = measure(transformer, lambda: velocity.velocity(*inputs(1)))
+    vae = in_dtype(built["vae"], dtype)
+    decode = measure(vae, lambda: frontend.decode(torch.empty((1, *latent_shape), device=META, dtype=dtype)),
+                     grad=False).working_set
+    features = sum(math.prod(shape) * (torch.tensor([], dtype=dt or dtype).element_size())
+                   for shape, dt in shapes.values())
+    image_tokens = transformer_image_tokens(family, latent_shape)
+    return GeneratorArchitecture(family, size, largest, lora, {name: count(part) for name, part in built.items()}, latent_shape,
+                                 image_tokens, text_tokens, one.kept, one.working_set, decode, features)
+
+
+def transformer_image_tokens(family: str, latent_shape: tuple[int, ...]) -> int:
+    """Image tokens the transformer reads: the latent grid's cells, after its 2x2 packing or patching."""
+    _, h, w = latent_shape
+    if family == "Flux2KleinPipeline":
+        return h * w  # each cell of the patchified grid is a token
+    return (h // 2) * (w // 2)  # SD3's 2x2 patches, FLUX.1's and Qwen-Image's 2x2 packing
+
+
+def generator_architecture(model, image_size: int) -> GeneratorArchitecture:
+    """`model` (a DiffusersFlowConfig section) measured at images `image_size` on a side."""
+    return _generator(model.path, model.revision, model.model_dump_json(), image_size)
+
+
+# --- causal LMs (refiners) ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LMArchitecture:
+    """A refiner's LM: its count, adapter, and per token what training keeps and sampling caches."""
+    params: int
+    lora: int
+    vocab: int
+    train_per_token: Activations
+    kv_per_token: int
+    working_set_per_token: int
+
+
+@functools.lru_cache(maxsize=16)
+def _lm(path: str, revision: str | None, model_json: str) -> LMArchitecture:
+    from experts.hf_refiner import LORA_TARGETS
+    from experts.refiner import HFCausalLMConfig
+    m = HFCausalLMConfig.model_validate_json(model_json)
+    lm = meta_causal_lm(config_folder(path, revision)).to(dtype_of(m.dtype))
+    size = count(lm)
+    lora = add_lora(lm, m.lora, LORA_TARGETS) if m.lora else 0
+    if not m.lora:
+        lm.requires_grad_(True)
+    c = lm.config
+    tokens = 64
+    ids = torch.zeros((1, tokens), dtype=torch.long, device=META)
+    body = lm.get_decoder() if hasattr(lm, "get_decoder") else lm
+    one = measure(body, lambda: body(input_ids=ids))
+    train = one.kept
+    per_token = Activations(*(v // tokens for v in (train.outside, train.block_inputs, train.blocks, train.peak,
+                                                     train.block_peak)))
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim
+    sample = one.working_set // tokens
+    return LMArchitecture(size, lora, c.vocab_size, per_token, kv * DTYPE_BYTES[m.dtype], sample)
+
+
+def lm_architecture(model) -> LMArchitecture:
+    """`model` (an HFCausalLMConfig section) measured per token."""
+    return _lm(model.path, model.revision, model.model_dump_json())
+
+
+# --- reward models ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardArchitecture:
+    """A reward model: its count and one image's working set through its vision side."""
+    params: int
+    per_image: int
+
+
+@functools.lru_cache(maxsize=16)
+def reward_architecture(path: str, dtype: str, revision: str | None = None) -> RewardArchitecture:
+    """A reward model (a transformers checkpoint) in `dtype`: its count and one image's working set."""
+    model = meta_pretrained(config_folder(path, revision)).to(dtype_of(dtype))
+    vision = getattr(model, "vision_model", None) or getattr(model, "encoder", None) \
+        or getattr(getattr(model, "owlv2", None), "vision_model", None) or getattr(model, "visual", None)
+    config = getattr(vision, "config", None)
+    side = getattr(config, "image_size", None)
+    if vision is None or side is None:
+        return RewardArchitecture(count(model), 0)
+    pixels = torch.empty((1, 3, side, side), device=META, dtype=dtype_of(dtype))
+    return RewardArchitecture(count(model), measure(vision, lambda: vision(pixel_values=pixels), grad=False).working_set)

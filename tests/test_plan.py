@@ -1,0 +1,160 @@
+"""`jointrl plan`: the memory plan of the real presets from their architectures on the meta device
+(nothing downloaded), its refusals (exit 2, one paragraph), and its placement read back from a
+CPU Ray that declares GPUs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from driver import cli
+from driver.config import resolve_config
+from driver.plan import PlanError, config_target, plan_for
+
+GPU_PRESETS = ["gpu", "sd3", "flux1", "flux2-klein", "qwen-image", "geneval", "pickscore", "ocr"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_every_gpu_preset_fits_its_target_on_whole_gpus(preset):
+    config = resolve_config(preset)
+    target = config_target(config)
+    plan = plan_for(config, target)
+    assert plan.target.gpus == target.gpus and len(plan.gpus) == target.gpus
+    out = json.loads(json.dumps(plan.to_json()))
+    for name, actor in out["actors"].items():
+        assert isinstance(actor["gpus"], list) and all(isinstance(g, int) for g in actor["gpus"])
+        assert all(isinstance(n, int) and n >= 0 for n in actor["params"].values())
+        assert all(isinstance(b, int) and b >= 0 for b in actor["bytes"].values())
+        if name.startswith(("expert/", "rollout/")):  # every GPU preset puts these on a GPU
+            assert len(actor["gpus"]) == 1 and actor["bytes"] and actor["params"], name
+        if name.startswith("reward/"):  # on a GPU as its term asks (OCR's PP-OCRv4 reads on the CPU)
+            asked = config.reward.pools()[name.split("/")[1]][1].num_gpus > 0
+            assert len(actor["gpus"]) == asked and (actor["params"] or not asked), name
+    for gpu in plan.gpus:
+        assert gpu.bytes <= target.usable, (gpu.id, gpu.bytes)
+        assert gpu.bytes == sum(plan.actors[a].total for a in gpu.actors)
+    ranks = [a for a in plan.actors if a.startswith("expert/generator")]
+    assert len({plan.actors[a].gpus[0] for a in ranks}) == len(ranks)  # an expert's ranks never share a GPU
+    assert all(g.actors for g in plan.gpus)  # the layout uses every GPU of its target
+    gpu_actors = sum(1 for a in plan.actors.values() if a.gpus)  # whole GPUs: shared only when actors outnumber them
+    assert sum(len(g.actors) - 1 for g in plan.gpus) == max(0, gpu_actors - target.gpus)
+
+
+# published sizes: FLUX.1-dev 12 B (model card; 11.9 B counted by diffusers), Qwen-Image 20 B (model card;
+# 20.4 B), SD3.5 medium 2.5 B (model card), FLUX.2 klein 4 B and 9 B (model cards), Qwen2.5-0.5B 0.49 B,
+# Qwen3-8B 8.2 B, Qwen2.5-VL-7B 8.3 B, CLIP ViT-L/14 428 M, TrOCR-base 334 M (each model card / paper)
+PUBLISHED = [("flux1", "transformer", 11.9e9, 0.01), ("qwen-image", "transformer", 20.4e9, 0.01),
+             ("sd3", "transformer", 2.5e9, 0.02), ("flux2-klein", "transformer", 9.0e9, 0.02),
+             ("flux2-klein", "text_encoder", 8.2e9, 0.01), ("qwen-image", "text_encoder", 8.3e9, 0.01)]
+
+
+@pytest.mark.parametrize("preset, part, size, tolerance", PUBLISHED)
+def test_parameter_counts_of_the_real_generators_are_the_published_sizes(preset, part, size, tolerance):
+    from experts.memory import generator_architecture
+    config = resolve_config(preset)
+    arch = generator_architecture(config.experts.generator.model, config.task.image_size)
+    counted = arch.transformer if part == "transformer" else arch.frontend[part]
+    assert abs(counted - size) <= tolerance * size, counted
+
+
+def test_parameter_counts_of_the_klein_4b_refiner_and_reward_models_are_the_published_sizes():
+    from experts.memory import ARCHITECTURES, config_folder, count, meta_component, reward_architecture
+    klein = ARCHITECTURES / "black-forest-labs" / "FLUX.2-klein-4B"
+    assert abs(count(meta_component(klein / "transformer", "diffusers", "Flux2Transformer2DModel")) - 3.9e9) < 0.05e9
+    from experts.memory import meta_causal_lm
+    assert abs(count(meta_causal_lm(config_folder("Qwen/Qwen2.5-0.5B-Instruct"))) - 0.494e9) < 0.005e9
+    assert abs(reward_architecture("openai/clip-vit-large-patch14", "float32").params - 428e6) < 1e6
+    assert abs(reward_architecture("microsoft/trocr-base-printed", "float32").params - 334e6) < 1e6
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    code = cli.main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_config_that_cannot_fit_exits_2_naming_the_actor_part_shortfall_and_remedies(capsys):
+    code, _, err = run(capsys, "--config", "flux2-klein", "--set", "experts.generator.parallel.ranks=1",
+                       "--set", "experts.generator.parallel.activation_checkpointing=false")
+    assert code == 2 and err.count("\n") == 1
+    assert "expert/generator needs" in err and "short by" in err and "its largest part is" in err
+    for remedy in ("model.lora", "parallel.ranks", "micro_batch", "activation_checkpointing=true"):
+        assert remedy in err
+
+
+def test_no_gpu_an_unknown_model_and_collective_sync_on_a_shared_gpu_exit_2(capsys, tmp_path):
+    code, _, err = run(capsys, "--config", "sd3", "--gpus", "0")
+    assert code == 2 and "the target has no GPU" in err and "expert/generator" in err
+    code, _, err = run(capsys, "--config", "gpu", "--set", f"experts.generator.model.path={tmp_path}")
+    assert code == 2 and "without config.json or model_index.json" in err
+    code, _, err = run(capsys, "--config", "gpu", "--set", "experts.generator.model.path=nobody/no-such-model")
+    assert code == 2 and "no config files for 'nobody/no-such-model'" in err
+    code, _, err = run(capsys, "--config", "gpu", "--set", "cluster.sync=collective",
+                       "--set", "cluster.collective_backend=nccl")
+    assert code == 2 and "cluster.sync=collective" in err and "share GPU 0" in err
+
+
+def test_json_holds_per_actor_gpus_params_and_bytes(capsys):
+    code, out, _ = run(capsys, "--config", "sd3", "--json", "--gpus", "8", "--gpu-memory", "80")
+    plan = json.loads(out)
+    assert code == 0 and plan["target"]["source"] == "flags"
+    generator = plan["actors"]["expert/generator"]
+    assert generator["params"]["transformer"] > 2e9 and generator["params"]["lora"] > 0
+    assert generator["bytes"]["activations (one micro-batch)"] > 0 and generator["gpus"] == [
+        g["id"] for g in plan["gpus"] if "expert/generator" in g["actors"]]
+    assert plan["idle"]["update"] and plan["idle"]["rollout"]  # workers idle while experts train, and back
+
+
+def test_a_cpu_runs_memory_is_the_plans_host_figure():
+    from driver.preflight import memory_problem
+    config = resolve_config("shapes-tiny", ["algorithm.group_size=64"])
+    assert memory_problem(config, have=2 ** 40) is None
+    problem = memory_problem(config, have=2 ** 20, where="here")
+    assert "by the memory plan" in problem and "here has 0.0 GiB" in problem
+
+
+def test_place_on_a_cpu_ray_declaring_gpus_gives_each_actor_the_plans_gpu(tmp_path):
+    """A private local Ray declaring the target's 4 GPUs (the pytest session's Ray has none)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    asks = [f"{key}.num_gpus=1" for key in ("experts.refiner_0.resources", "experts.refiner_1.resources",
+                                            "experts.refiner_2.resources", "experts.generator.resources",
+                                            "cluster.rollout_resources")]
+    sets = [a for k in [*asks, "cluster.rollout_workers=2"] for a in ("--set", k)]
+    done = subprocess.run([sys.executable, "-m", "driver", "plan", "--config", "shapes-tiny", *sets, "--gpus", "4",
+                           "--gpu-memory", "16", "--place", "--json"],  # 6 GPU actors on 4 GPUs: two share
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = json.loads(done.stdout[done.stdout.index("{"):])
+    placed = plan["placed"]
+    gpu_actors = {n: a for n, a in plan["actors"].items() if a["gpus"]}
+    assert set(placed) == set(gpu_actors)
+    ray_to_plan = {}
+    for name, ids in placed.items():
+        assert len(ids) == 1
+        ray_to_plan.setdefault(ids[0], set()).add(gpu_actors[name]["gpus"][0])
+    assert all(len(plans) == 1 for plans in ray_to_plan.values())  # one Ray id per planned GPU
+    by_ray = {}
+    for name, ids in placed.items():
+        by_ray.setdefault(ids[0], set()).add(name)
+    by_plan = {frozenset(g["actors"]) for g in plan["gpus"] if g["actors"]}
+    assert {frozenset(v) for v in by_ray.values()} == by_plan  # actors share an id exactly where the plan says
+    assert any(len(g) > 1 for g in by_plan)
+
+
+def test_once_connected_to_a_cluster_with_gpus_train_is_planned_against_them(monkeypatch):
+    import ray
+
+    from driver.preflight import fits_cluster
+    node = {"Alive": True, "Resources": {"GPU": 8.0, "CPU": 64.0}}
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 8.0, "CPU": 64.0, "memory": 2.0 ** 40})
+    monkeypatch.setattr(ray, "nodes", lambda: [node])
+    fits_cluster(resolve_config("sd3"))  # its layout fits 8 GPUs of 80 GB
+    with pytest.raises(PlanError, match="do not fit the target's 8 GPUs"):  # 9 actors of 56-67 GB on 8 GPUs
+        fits_cluster(resolve_config("qwen-image", ["cluster.rollout_workers=8"]))
+    node["Resources"]["GPU"] = 1.0
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 1.0, "CPU": 8.0})
+    with pytest.raises(PlanError, match="expert/generator needs .* the Ray cluster"):
+        fits_cluster(resolve_config("flux2-klein", ["experts.generator.parallel.ranks=1"]))
