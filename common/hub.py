@@ -159,8 +159,8 @@ HUB_TIMEOUT_S = 5.0  # how long the hub may take to answer one request before it
 
 
 def cached(model: ModelRef) -> str | None:
-    """The folder of hub model `model` in this machine's Hugging Face cache, read as a load without
-    the hub reads it (its configs, and weights files if its weights are read); None if it is not there."""
+    """The folder of hub model `model` in this machine's Hugging Face cache, found as a load finds it
+    with no hub (its configs, and weights files if its weights are read); None if it is not there."""
     from huggingface_hub import snapshot_download
     try:
         folder = snapshot_download(model.name, revision=model.revision, allow_patterns=MODEL_FILES,
