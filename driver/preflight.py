@@ -243,9 +243,11 @@ def memory_problem(config: Config, have: float | None = None, where: str = "this
         return None
     largest = max(plan.actors.values(), key=lambda a: a.total)
     part = max(largest.bytes, key=largest.bytes.get)
-    return (f"trainer.prompts_per_step x algorithm.group_size, the models and their batches: one step needs "
-            f"{plan.host_bytes / 2**30:.1f} GiB by the memory plan (`jointrl plan`; the largest actor {largest.name}, "
-            f"{largest.total / 2**30:.1f} GiB, most of it {part}), {where} has {have / 2**30:.1f} GiB; lower them")
+    helps = "; ".join(largest.advice or ["smaller models"])
+    return (f"trainer.prompts_per_step x algorithm.group_size x task.image_size, the models and their batches: one "
+            f"step needs {plan.host_bytes / 2**30:.1f} GiB by the memory plan (`jointrl plan`; the largest actor "
+            f"{largest.name}, {largest.total / 2**30:.1f} GiB, most of it {part}), {where} has {have / 2**30:.1f} "
+            f"GiB; lower them, or for {largest.name}: {helps}")
 
 
 def gpu_asks(config: Config) -> list:
