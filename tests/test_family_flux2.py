@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 from common.hub import local_model
-from common.loading import DTYPES
+from common.loading import DTYPES, ModelLoadError
 from tests.family_check import (PROMPTS, assert_equals_pipeline, assert_loads_in_bfloat16, assert_logps_are_normal,
                                 assert_lora_reference_is_base, family_config, parts, pipeline_sampled,
                                 sampled_by_jointrl)
@@ -62,6 +62,7 @@ def test_a_step_distilled_model_refuses_guidance(tmp_path):
     shutil.copytree(local_model("tiny:flux2_klein"), distilled)
     index = json.loads((distilled / "model_index.json").read_text())
     (distilled / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
-    with pytest.raises(ValueError, match="step-distilled"):
+    with pytest.raises(ModelLoadError, match="step-distilled") as refused:  # the user's to fix: exit 2
         build_frontend(family_config(str(distilled), "experts.generator.model.guidance_scale=4.0"))
+    assert refused.value.config_key == "experts.generator.model.path"
     build_frontend(family_config(str(distilled)))
