@@ -13,6 +13,11 @@ layout under a cache folder; it is then loaded by the very code a real checkpoin
 tests and the `prompts-tiny` preset need no hub, and a run with real models differs only in names.
 The cache is `$JOINTRL_TINY_CACHE`, else `~/.cache/jointrl/tiny`; builds are atomic (a folder is
 renamed into place), so actors that ask at once all end up reading the same files.
+
+`random:<name>` is the real architecture of `<name>` (a hub id whose config files are at hand, as
+`jointrl plan` finds them, or a local folder of config files) with random weights and stand-in
+tokenizers, built here (common/random_models.py) into `<cache>/random/` and loaded by the same code
+as the real checkpoint: a run at real scale, planned as the real one, on a machine without the hub.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TINY = "tiny:"
+RANDOM = "random:"
 # kind -> builder `package.module:function(out_dir) -> out_dir`; bump a kind's suffix when its builder changes
 BUILDERS = {
     "qwen2": "experts.tiny_hf:tiny_text_lm",
@@ -46,6 +52,15 @@ def is_tiny(spec: str | None) -> bool:
     return bool(spec) and spec.startswith(TINY)
 
 
+def is_random(spec: str | None) -> bool:
+    return bool(spec) and spec.startswith(RANDOM)
+
+
+def built_here(spec: str | None) -> bool:
+    """A model built on this machine rather than read from a folder or the hub (`tiny:`, `random:`)."""
+    return is_tiny(spec) or is_random(spec)
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("JOINTRL_TINY_CACHE") or Path.home() / ".cache" / "jointrl" / "tiny")
 
@@ -65,15 +80,18 @@ class ModelRef:
 
     @property
     def on_hub(self) -> bool:
-        return not is_tiny(self.name) and not Path(self.name).expanduser().is_dir()
+        return not built_here(self.name) and not Path(self.name).expanduser().is_dir()
 
 
 def local_model(spec: str, revision: str | None = None, weights: bool = True) -> str:
-    """The folder to load `spec` from: a `tiny:<kind>` built first if not cached, a local folder as
-    it is, a hub id fetched at `revision` (None: its default branch) into the Hugging Face cache,
-    without its weights unless `weights`."""
+    """The folder to load `spec` from: a `tiny:<kind>` or `random:<name>` built first if not
+    cached, a local folder as it is, a hub id fetched at `revision` (None: its default branch) into
+    the Hugging Face cache, without its weights unless `weights`."""
     if is_tiny(spec):
         return tiny_model(spec)
+    if is_random(spec):
+        from common.random_models import random_model
+        return str(random_model(spec[len(RANDOM):], revision))
     if Path(spec).expanduser().is_dir():
         return str(Path(spec).expanduser())
     return fetch(spec, revision, weights)
