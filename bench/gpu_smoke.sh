@@ -14,17 +14,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
+python=${PYTHON:-$(command -v python3 || command -v python)}
 packed=${GPUKIT:-.gpukit}
 if [ -f "$packed/site.tar.xz" ]; then
   digest=$(sha256sum "$packed/site.tar.xz" | cut -c1-12)
   kit=${GPUKIT_DIR:-/tmp/jointrl-gpukit-$digest}
   if [ ! -f "$kit/.unpacked" ]; then
     mkdir -p "$kit"
-    tar -C "$kit" -xJf "$packed/site.tar.xz"
+    if command -v xz >/dev/null; then
+      tar -C "$kit" -xJf "$packed/site.tar.xz"
+    else  # a bare image without xz: Python's own lzma
+      "$python" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$packed/site.tar.xz" "$kit"
+    fi
     touch "$kit/.unpacked"
   fi
   echo "gpu_smoke: packages from $packed ($(tr '\n' ' ' <"$packed/MANIFEST")) unpacked in $kit"
   export PYTHONPATH="$kit:$root${PYTHONPATH:+:$PYTHONPATH}"
 fi
-python=${PYTHON:-$(command -v python3 || command -v python)}
 exec "$python" bench/gpu_smoke.py "$@"

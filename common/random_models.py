@@ -7,8 +7,9 @@ files, the Hugging Face cache, or the architectures shipped in configs/architect
 parameters on the meta device (its buffers, such as SD3's positional table or a rotary embedding's
 frequencies, computed as usual), then every parameter is materialised in bfloat16 and filled in one
 pass per tensor (no per-element Python initialisation of billions of weights): matrices, kernels
-and embeddings uniform in +-1/sqrt(fan_in), so activations neither vanish nor blow up through the
-residual stream; a norm's and any other vector's weight 1, biases 0. The checkpoint is bfloat16 (as
+and embeddings uniform in +-1/sqrt(fan_in), so activations stay of order one through the blocks
+(SD3.5-medium's velocity, text features and decoded pixels come out with standard deviations of
+0.3 to 0.6, all finite, in bfloat16); a norm's and any other vector's weight 1, biases 0. The checkpoint is bfloat16 (as
 the presets' real ones); a loader casts it to the config's dtype as it would a real one.
 
 A pipeline (model_index.json) gets every component with weights, its scheduler (the shipped
@@ -50,7 +51,9 @@ def random_model(name: str, revision: str | None = None) -> Path:
     """The folder of `random:<name>`, built first if not cached (see the module docstring)."""
     source = config_folder(name, revision)
     digest = config_digest(source)
-    out = cache_root() / "random" / f"{Path(name).name if Path(name).is_absolute() else name.replace('/', '--')}-{digest}"
+    local = Path(name).expanduser()
+    label = local.resolve().name if local.is_dir() else name.replace("/", "--")  # a folder's name, or org--name
+    out = cache_root() / "random" / f"{label}-{digest}"
     if out.is_dir():
         return out
     from filelock import FileLock
