@@ -13,25 +13,36 @@
 # llm, workflow) are dropped, and its binaries stripped of symbols. bench/gpu_smoke.sh unpacks the
 # archive when it is there and puts it on PYTHONPATH (before the machine's own packages).
 #
-#   bench/gpu_kit.sh          # builds .gpukit/ (about a minute), prints its size and contents
+#   bench/gpu_kit.sh          # builds .gpukit/ (1.5 minutes here), prints its size and contents
 #
-# Then ONE call of the device tool answers (its `run`; the archive travels as a carried path):
-#   run(command="bash bench/gpu_smoke.sh --preset gpu --random 2>&1 | tee $OUT/gpu-random.log;
+# Run it in the checkout the session was started in (the device tool sends that one). Then ONE
+# call of the device tool answers (its `run`; the archive travels as a carried path):
+#   run(command="export HF_HUB_OFFLINE=1; bash bench/gpu_smoke.sh --preset gpu --random 2>&1 | tee $OUT/gpu-random.log;
 #                bash bench/gpu_smoke.sh --preset all --tiny 2>&1 | tee $OUT/gpu-tiny.log",
 #       carry=[".gpukit"], timeout_s=540)
 # It prints, per run, the plan, the random models built (GB, seconds), one table (per GPU: the
 # Ray GPU id, planned GB, peak GB, ratio, actors; then each check: completed, first update on
 # policy, weights travelled as asked, every planned GPU used, each GPU's peak against the plan)
-# and `GPU SMOKE <preset>: PASSED` or `FAILED`; last `GPU SMOKE: k of n passed`. 540 s leaves a
-# lent machine's 15 minutes room for its start and one shorter rerun (`--preset gpu --random` alone).
+# and `GPU SMOKE <preset>: PASSED` or `FAILED`; last `GPU SMOKE: k of n passed`. The random run
+# comes first: it is the one with a memory verdict (the tiny stand-ins are planned under 1 GB), and
+# its log is back in $OUT even if the tiny runs are cut by the timeout. 540 s leaves a lent
+# machine's 15 minutes room for its start and one shorter rerun (`--preset gpu --random` alone).
+#
+# Checked here (no GPU): the unpacked archive under CPython 3.12.1 with the machine's
+# huggingface_hub 1.33 starts a local Ray that places actors by placement group, runs concurrency
+# groups and reports GPU ids, and imports pydantic and diffusers; the same cut of Ray (cp311) with
+# the machine's transformers 5.17 and huggingface_hub 1.33 and this diffusers trains `random:`
+# models two steps through Ray (tests/test_random_models.py's config in ray mode).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=.gpukit
 LIMIT_MIB=60
 PYTHON=${PYTHON:-.venv/bin/python}
-# what the machine lacks, at the versions tested here (tests/test_gpu_kit.py): the machine's own
+# what the machine lacks, at the versions checked as the header says: the machine's own
 # transformers 5.17 and huggingface_hub 1.33 satisfy this diffusers (huggingface-hub>=1.32,
-# safetensors>=0.8); Ray's pb2 files load with any protobuf>=3.20
+# safetensors>=0.8); Ray's pb2 files load with any protobuf>=3.20; datasets is only asked for by
+# the preflight of a `prompts` task (prompt files are read without it; a dataset id or parquet file
+# would need the machine's pyarrow to be >= 24)
 PACKAGES=(
   ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
   diffusers==0.42.1
