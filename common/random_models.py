@@ -19,7 +19,9 @@ The real tokenizer files are not shipped, so a stand-in has the encoder's vocabu
 special tokens at the ids its config names, and splits text into words and punctuation (about as
 many tokens as a real BPE tokenizer makes of English; each unknown word is one `<unk>`): CLIP's
 wraps a text in its start and end tokens and stops at 77, T5's ends it with `</s>`, a causal LM's
-speaks ChatML (`<|im_start|>role ... <|im_end|>`, the end token its end of sequence).
+speaks ChatML (`<|im_start|>role ... <|im_end|>`, the end token its end of sequence) and counts each
+newline as a token, as Qwen's byte-level BPE does (so the 34 tokens Qwen-Image's pipeline drops
+from the front of its prompt template are the template's system turn here too).
 
 Builds go to `<tiny cache>/random/<name>-<digest of the config files>`, one process per node under a
 file lock (the others wait and read the same files), renamed into place when complete.
@@ -175,7 +177,7 @@ def materialise(module: nn.Module, seed: int) -> nn.Module:
 def stand_in_tokenizer(config):
     """A tokenizer for the text model of `config` (a transformers config): its vocabulary size, its
     special tokens at the ids the config names, words and punctuation as tokens (module docstring)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     text = config.get_text_config()
     size, kind = text.vocab_size, config.model_type
@@ -199,7 +201,9 @@ def stand_in_tokenizer(config):
     vocab = {f"w{i}": i for i in range(size)}
     vocab = {**{k: v for k, v in vocab.items() if v not in special.values()}, **special}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    # words and runs of punctuation; a chat model's newlines are tokens too, as in a byte-level BPE
+    pieces = r"\w+|[^\w\s]+" + (r"|\n" if style == "chat" else "")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(pieces), behavior="removed", invert=True)
     backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     if style == "clip":
         backend.post_processor = processors.TemplateProcessing(

@@ -17,22 +17,25 @@ from driver.plan import config_target, plan_for
 from tests.conftest import make_config, run_training
 
 
+def config_files(kind: str, root: Path) -> Path:
+    """`tiny:<kind>`'s config files alone, in `root/<kind>` (what configs/architectures ships for a
+    real model: no weights, no tokenizer files)."""
+    built = Path(local_model(f"tiny:{kind}"))
+    for f in built.rglob("*.json"):
+        rel = f.relative_to(built)
+        if rel.parts[0].startswith("tokenizer") or rel.name.startswith(("tokenizer", "special_tokens", "added_tokens",
+                                                                          "vocab")):
+            continue
+        (root / kind / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, root / kind / rel)
+    assert not list((root / kind).rglob("*.safetensors")) and not list((root / kind).rglob("tokenizer*"))
+    return root / kind
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
-    """The tiny models' config files alone (what configs/architectures ships for a real model)."""
     root = tmp_path_factory.mktemp("architectures")
-    out = {}
-    for kind in ("sd3", "qwen2"):
-        built = Path(local_model(f"tiny:{kind}"))
-        for f in built.rglob("*.json"):
-            rel = f.relative_to(built)
-            if rel.parts[0].startswith("tokenizer") or rel.name in ("tokenizer.json", "tokenizer_config.json"):
-                continue
-            (root / kind / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(f, root / kind / rel)
-        out[kind] = root / kind
-    assert not (out["sd3"] / "tokenizer").exists() and not list(out["qwen2"].glob("*.safetensors"))
-    return out
+    return {kind: config_files(kind, root) for kind in ("sd3", "qwen2")}
 
 
 def joint_config(sd3: str, lm: str, *extra: str):
@@ -89,6 +92,28 @@ def test_the_stand_in_tokenizers_keep_their_encoders_special_tokens(sources):
     odd = CLIPTextConfig(vocab_size=10, bos_token_id=3, eos_token_id=3)  # one id asked for twice: the second moves
     specials = {t: stand_in_tokenizer(odd).convert_tokens_to_ids(t) for t in ("<|startoftext|>", "<|endoftext|>")}
     assert specials["<|startoftext|>"] == 3 and specials["<|endoftext|>"] == 9
+
+
+@pytest.mark.parametrize("kind", ["flux1", "flux2_klein", "qwen_image"])
+def test_every_familys_random_pipeline_encodes_guides_and_decodes(kind, tmp_path):
+    """Their stand-in tokenizers: CLIP's and T5's for FLUX.1, ChatML for FLUX.2 klein's Qwen3 (under
+    its chat template) and Qwen-Image's Qwen2.5-VL (under its prompt template)."""
+    from tasks.base import TextPrompt
+    from tests.family_check import PROMPTS, family_config, parts
+    velocity, frontend = parts(family_config(f"random:{config_files(kind, tmp_path)}", "experts.generator.model.guidance_scale=2.0"))
+    cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
+    assert all(len(v) == len(PROMPTS) and torch.isfinite(v.float()).all() for k, v in cond.items() if "negative" not in k)
+    x = torch.randn(len(PROMPTS), *frontend.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        v = velocity(x, torch.full((len(PROMPTS),), 0.5), **cond)
+        images = frontend.decode(x)
+    assert v.shape == x.shape and torch.isfinite(v).all() and v.abs().max() > 0
+    assert images.shape[:2] == (len(PROMPTS), 3) and torch.isfinite(images).all()
+    if kind == "qwen_image":  # the tokens the pipeline drops are its template's system turn, as with Qwen's tokenizer
+        pipe = frontend.pipeline
+        ids = pipe.tokenizer(pipe.prompt_template_encode.format("a cat")).input_ids
+        assert pipe.tokenizer.convert_ids_to_tokens(ids[pipe.prompt_template_encode_start_idx:]) == \
+            ["<unk>", "<unk>", "<|im_end|>", "<unk>", "<|im_start|>", "<unk>", "<unk>"]  # a cat, then "\nassistant\n"
 
 
 def test_a_random_model_is_planned_as_the_architecture_it_stands_for(sources):
