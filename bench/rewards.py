@@ -179,7 +179,7 @@ def pooled_phase(config, actors: dict, batches: dict[str, tuple], rounds: int) -
             if r:  # round 0 warms up
                 times[label].append(time.perf_counter() - start)
             if not valid.all():
-                raise RuntimeError(f"{label}: samples dropped by the reward ({faults})")
+                raise RuntimeError(f"{label}: samples dropped by the reward ({faults.failing()})")
     for reward in sets.values():
         for guard in reward.terms.values():
             guard.pool.shutdown(wait=False)

@@ -28,13 +28,15 @@ import torch
 import torch.distributed as dist
 
 from cluster.recovery import this_node
+from common.config import SettingError
 from experts.parallel import backend_for, join_group
 
 ALIGN = 16  # bytes: every tensor starts at a multiple of this in the buffer, so its view is aligned
 
 
-class CollectiveRefused(ValueError):
+class CollectiveRefused(SettingError, ValueError):
     """A broadcast group that cannot work, said once instead of falling back every step."""
+    config_key = "cluster.sync"
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,14 @@ import torch.distributed as dist
 
 from cluster.collective import BroadcastMember
 from cluster.recovery import in_ray_actor, this_node
+from cluster.startup import reports_start
 from experts.devices import actor_device
 from experts.expert import Expert, StaleExpert
 from experts.weights import synced_state, travel_form
 
 
 class ExpertActor(Expert, BroadcastMember):
+    @reports_start
     def __init__(self, config, expert_id: str):
         torch.set_num_threads(1)
         spec = config.expert(expert_id)

@@ -88,16 +88,23 @@ def settle(refs) -> None:
         pass
 
 
+def failed_to_start(error: BaseException) -> bool:
+    """Whether `error` says an actor died raising in its constructor: Ray does not restart such an
+    actor, so there is nothing to wait for."""
+    return isinstance(error, RayActorError) and error.actor_init_failed
+
+
 def survive(attempt, recover, attempts: int, lost: tuple = (), wait_s: float = 120.0):
     """`attempt(first)` fetches (and, when not `first`, first resubmits) a call's result. If its
     actor died, or the result shows one of `lost`, `recover()` (waiting out Ray's restart) and
-    attempt again, up to `attempts` times. Returns (value, faults survived)."""
+    attempt again, up to `attempts` times; an actor that failed in its constructor is not waited
+    for. Returns (value, faults survived)."""
     faults = 0
     while True:
         try:
             return attempt(faults == 0), faults
-        except (RayActorError, *lost):
-            if faults == attempts:
+        except (RayActorError, *lost) as error:
+            if faults == attempts or failed_to_start(error):
                 raise
             faults += 1
             deadline = time.monotonic() + wait_s
@@ -105,7 +112,7 @@ def survive(attempt, recover, attempts: int, lost: tuple = (), wait_s: float = 1
                 try:
                     recover()
                     break
-                except RayActorError:  # still restarting
-                    if time.monotonic() > deadline:
+                except RayActorError as still:  # still restarting
+                    if time.monotonic() > deadline or failed_to_start(still):
                         raise
                     time.sleep(0.1)

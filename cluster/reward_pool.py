@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from ray.exceptions import RayActorError
 
 from cluster.recovery import survive
 from cluster.runtime import get
+from cluster.startup import reports_start, start_failure
 from experts.devices import actor_device
 from tasks.rewards.term import build_scorer
 
 
 class RewardActor:
+    @reports_start
     def __init__(self, config, term: str, index: int):
         torch.set_num_threads(1)
         _, resources = config.reward.pools()[term]
         self.device, self.index = actor_device(resources), index
-        self.scorer = build_scorer(config.reward.terms[term], self.device)
+        self.scorer = build_scorer(config.reward.terms[term], self.device, term)
 
     def score(self, images, prompts, refinements):
         return on_host(self.scorer(images, prompts, refinements))
@@ -90,9 +93,14 @@ class PooledTerm:
             parts.append((actor, args, getattr(actor, method).remote(*args)))
         answers = []
         for actor, args, call in parts:
-            values, _ = survive(lambda first, actor=actor, args=args, call=call:
-                                get(call if first else getattr(actor, method).remote(*args)),
-                                lambda actor=actor: get(actor.ready.remote()), self.attempts)
+            try:
+                values, _ = survive(lambda first, actor=actor, args=args, call=call:
+                                    get(call if first else getattr(actor, method).remote(*args)),
+                                    lambda actor=actor: get(actor.ready.remote()), self.attempts)
+            except RayActorError as error:  # one that Ray restarted could not start again: said in one line
+                if (failed := start_failure(error)) is None:
+                    raise
+                raise RuntimeError(f"reward actor {failed.actor} could not start: {failed.cause}") from None
             answers.append(values)
         odd = [a for a in answers if a is None or isinstance(a, dict)]
         if odd or len(answers) == 1:

@@ -54,6 +54,8 @@ class RolloutPool:
         self.workers = [runtime.spawn_member(RolloutWorker, config, j, runtime.members, name=f"rollout/{j}",
                                              resources=config.cluster.rollout_resources)
                         for j in range(config.cluster.rollout_workers)]
+        # a reward actor that cannot start (its model cannot be loaded) stops the run's start, as a worker does
+        get([actor.ready.remote() for actors in self.reward_pools.values() for actor in actors])
         self.in_flight: dict[int, Rollout] = {}  # submitted, not yet collected, at most max_staleness ahead
         self.reloaded = False  # a worker was given older weights to redo a rollout: publish all after the step
 

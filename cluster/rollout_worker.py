@@ -19,6 +19,7 @@ from cluster.collective import BroadcastMember, GroupSpec, layout
 from cluster.recovery import NotSynced, this_node
 from cluster.reward_pool import PooledTerm, pool_names
 from cluster.runtime import Members
+from cluster.startup import reports_start
 from experts.devices import actor_device
 from experts.pipeline import RolloutPipeline
 from experts.weights import fingerprint, model_tensors, travelled
@@ -35,6 +36,7 @@ DELIVERY = "delivery"  # the concurrency group weights are delivered in, beside 
 class RolloutWorker(RolloutPipeline, BroadcastMember):
     CONCURRENCY_GROUPS = {DELIVERY: 1}  # the actor's groups besides the default one (cluster/runtime.py)
 
+    @reports_start
     def __init__(self, config, index: int, members: Members | None = None):
         """The terms with a pool of reward actors (cluster/reward_pool.py) are scored by them,
         found among the run's `members`; the other terms are scored here."""

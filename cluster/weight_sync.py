@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from cluster.collective import CollectiveRefused, GroupSpec, refuse_shared_gpus, refused
 from cluster.runtime import Members, get
+from cluster.startup import reports_start
 from experts.parallel import nccl_misused
 from experts.records import Release
 
@@ -39,6 +40,7 @@ class SyncResult(NamedTuple):
 class WeightSyncActor:
     """The registry of published versions; delivers each to every worker and collects the acks."""
 
+    @reports_start
     def __init__(self, members: Members, workers: list[str], experts: list[str] | None = None,
                  collective: dict | None = None):
         """`workers`: the rollout workers' names. `experts` (ids) and `collective` ({"backend",

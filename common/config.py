@@ -8,6 +8,12 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat
 
 
+class SettingError(Exception):
+    """A failure a config key is to blame for, found only where the setting is used (an actor
+    loading a model, forming a group): the user's to fix. `config_key` names the key."""
+    config_key: str | None = None
+
+
 class Strict(BaseModel):
     """A config section: unknown keys are errors, and assignments are validated too."""
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

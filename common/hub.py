@@ -18,6 +18,10 @@ renamed into place), so actors that ask at once all end up reading the same file
 `jointrl plan` finds them, or a local folder of config files) with random weights and stand-in
 tokenizers, built here (common/random_models.py) into `<cache>/random/` and loaded by the same code
 as the real checkpoint: a run at real scale, planned as the real one, on a machine without the hub.
+
+Before a run starts, a hub id must be in this machine's cache or the hub must answer: `cached`
+finds the folder a load would read without asking the hub, and `hub_unreachable` asks the hub once,
+briefly (HF_HUB_OFFLINE set, or no answer within seconds, means it cannot be reached).
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ import importlib
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 TINY = "tiny:"
@@ -73,20 +79,41 @@ _fetched: dict[tuple[str, str | None, bool], str] = {}  # (hub id, revision, wei
 @dataclass(frozen=True)
 class ModelRef:
     """A model a config names (a folder, hub id or `tiny:<kind>`), the revision to load, and whether
-    its weights are read (not for a processor or tokenizer taken from a model's repo)."""
+    its weights are read (not for a processor or tokenizer taken from a model's repo). `option`:
+    the reward term option that names it (`model`, `processor`, `clip_model`, `tokenizer`); two
+    options naming one model are one model."""
     name: str
     revision: str | None = None
     weights: bool = True
+    option: str = field(default="model", compare=False)
 
     @property
     def on_hub(self) -> bool:
         return not built_here(self.name) and not Path(self.name).expanduser().is_dir()
 
 
+_asking = threading.local()  # this thread's open `asked_models` lists
+
+
+@contextmanager
+def asked_models():
+    """A list of every model `local_model` is asked for in this thread while the block runs: when
+    building something that loads several fails, its last one is the model being loaded."""
+    asked: list[str] = []
+    stack = _asking.__dict__.setdefault("lists", [])
+    stack.append(asked)
+    try:
+        yield asked
+    finally:
+        stack.remove(asked)
+
+
 def local_model(spec: str, revision: str | None = None, weights: bool = True) -> str:
     """The folder to load `spec` from: a `tiny:<kind>` or `random:<name>` built first if not
     cached, a local folder as it is, a hub id fetched at `revision` (None: its default branch) into
     the Hugging Face cache, without its weights unless `weights`."""
+    for asked in getattr(_asking, "lists", ()):
+        asked.append(spec)
     if is_tiny(spec):
         return tiny_model(spec)
     if is_random(spec):
@@ -143,6 +170,49 @@ def download(repo: str, revision: str | None, weights: bool = True) -> str:
         if any(Path(folder).rglob(weights)):
             break
     return folder
+
+
+WEIGHTS = ("*.safetensors", "*.bin")
+HUB_TIMEOUT_S = 5.0  # how long the hub may take to answer one request before it counts as unreachable
+
+
+def cached(model: ModelRef) -> str | None:
+    """The folder of hub model `model` in this machine's Hugging Face cache, found as a load finds it
+    with no hub (its configs, and weights files if its weights are read); None if it is not there."""
+    from huggingface_hub import snapshot_download
+    try:
+        folder = snapshot_download(model.name, revision=model.revision, allow_patterns=MODEL_FILES,
+                                   local_files_only=True)
+    except Exception:  # not cached, cached in part, or a name the hub client refuses
+        return None
+    if model.weights and not any(next(Path(folder).rglob(w), None) for w in WEIGHTS):
+        return None
+    return folder
+
+
+def hub_unreachable(timeout_s: float | None = None) -> str | None:
+    """Why the Hugging Face hub cannot be reached from here, or None if it answers: HF_HUB_OFFLINE
+    set, or no HTTP answer from its endpoint (HF_ENDPOINT) within `timeout_s` (HUB_TIMEOUT_S by
+    default). One request with the hub client's own session (its proxies and certificates), no
+    retries, in a thread of its own so that a name lookup that hangs cannot hold the caller longer."""
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    timeout_s = HUB_TIMEOUT_S if timeout_s is None else timeout_s
+    answer: list[str | None] = []
+
+    def ask():
+        from huggingface_hub.utils import get_session
+        try:
+            get_session().head(constants.ENDPOINT, timeout=timeout_s)
+            answer.append(None)  # any HTTP answer: the hub is there (a refusal is the loader's to say)
+        except Exception as e:
+            answer.append(f"{constants.ENDPOINT}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+
+    asker = threading.Thread(target=ask, daemon=True, name="hub-probe")
+    asker.start()
+    asker.join(timeout_s + 0.5)
+    return answer[0] if answer else f"{constants.ENDPOINT}: no answer within {timeout_s:g} s"
 
 
 def tiny_model(spec: str) -> str:

@@ -4,15 +4,74 @@ at its revision first, so no loader here reaches the hub).
 
 Straight onto the device: transformers' and diffusers' `device_map` loading builds the model on the
 meta device and reads each tensor of the checkpoint to its place, so a model bound for a GPU is
-never whole in host memory first (and never twice on the device)."""
+never whole in host memory first (and never twice on the device).
+
+A model that cannot be had or loaded is the user's to fix (a name, a download, a folder transformers
+cannot read), wherever it is loaded: `loading_model` raises it as a ModelLoadError naming the config
+key and the model, in one line, so that an actor that cannot start says which key to change."""
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
 
 import torch
 
+from common.config import SettingError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHTED = ("text_encoder", "transformer", "vae")  # a pipeline's components with weights
+
+
+class ModelLoadError(SettingError, RuntimeError):
+    """A model a config key names could not be fetched or loaded."""
+
+    def __init__(self, key: str, model: str, reason: str):
+        super().__init__(key, model, reason)  # its args: it pickles as it is (out of an actor)
+        self.config_key, self.model, self.reason = key, model, reason
+
+    def __str__(self) -> str:
+        return f"{self.config_key}: cannot load '{self.model}' ({self.reason})"
+
+
+def one_line(error: BaseException, limit: int = 400) -> str:
+    """`error` as one line: its type and its message's words, cut at `limit` characters."""
+    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Running out of host or device memory: not the model's fault, whatever was being loaded."""
+    return isinstance(error, MemoryError) or "out of memory" in str(error).lower()
+
+
+def from_the_hub(error: BaseException) -> bool:
+    """Whether `error` (or what it was raised from) is the hub client's or its HTTP library's."""
+    while error is not None:
+        if type(error).__module__.split(".")[0] in ("huggingface_hub", "httpx", "httpx2", "requests", "urllib3"):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def load_error(error: BaseException, key: str, model: str) -> ModelLoadError:
+    """`error`, raised while fetching or loading `model` (named by `key`), as the user reads it."""
+    hint = "; fetch it beforehand where the hub gives it (a gated model with HF_TOKEN set): `jointrl download " \
+           "--config <your config>`" if from_the_hub(error) else ""
+    return ModelLoadError(key, model, one_line(error) + hint)
+
+
+@contextmanager
+def loading_model(key: str, model: str):
+    """The block loads `model`, which the config key `key` names: an error (but running out of
+    memory) is raised as a ModelLoadError naming both."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as error:
+        if out_of_memory(error):
+            raise
+        raise load_error(error, key, model) from error
 
 
 def pretrained(cls, path: str, dtype: torch.dtype | None, device: torch.device, **kwargs):

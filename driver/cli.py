@@ -1,6 +1,10 @@
 """`jointrl` / `python -m driver`: validate the config, connect to Ray, start the driver, stream progress.
 
-Exit status 2 for a bad config or value (nothing is started), 1 if training fails, 0 on success.
+Exit status: 0 on success; 2 for a bad config or value (nothing is started), or an actor that could
+not start because of a setting (a model that cannot be loaded, a refused setting); 1 if training
+fails otherwise; 3 when the rewards failed on every sample of `reward.max_failed_steps` steps in a
+row (the run checkpointed its last step and can be resumed once the reward is fixed); 130 and 143
+when SIGINT or SIGTERM stopped it (checkpointed, resumable).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cluster.startup import start_failure
 from driver.config import Config, ConfigError, load_config, run_config
 from driver.metrics import progress_line
 
@@ -84,6 +89,9 @@ def parse_args(argv):
     if not on_a_run:
         args.config = args.config or "shapes"
     return args
+
+
+REWARDS_FAILED = 3  # the exit status of a run stopped because its rewards kept failing
 
 
 def config_error(error: ConfigError) -> int:
@@ -303,10 +311,19 @@ def run_train(args) -> int:
         except (ConfigError, KeyboardInterrupt):
             raise
         except Exception as e:  # the run dir keeps whatever was written: metrics so far, checkpoints
+            if (failed := start_failure(e)) is not None:  # one paragraph; Ray's tracebacks go to the log
+                print(f"jointrl: {failed.paragraph(log_traceback(path, e))}", file=sys.stderr)
+                return failed.exit_code
             cause = getattr(e, "cause", None) or e
             print(f"jointrl: training failed: {failure(cause)}\n  run dir: {path}", file=sys.stderr)
             return 1
     interrupts = summary["interrupted"]
+    if summary["rewards_failed"]:
+        print(f"jointrl: stopped after step {summary['steps']} of {config.trainer.steps}: "
+              f"{summary['rewards_failed']}. Nothing already trained is lost: checkpoint {summary['checkpoint']}\n"
+              f"  resume with: jointrl train --resume {path}  (with --set reward.terms.<name>.… to fix the term)",
+              file=sys.stderr, flush=True)
+        return REWARDS_FAILED
     if summary["stopped"]:
         print(f"jointrl: stopped by {interrupts.name} after step {summary['steps']} of {config.trainer.steps}; "
               f"checkpoint {summary['checkpoint']}\n  resume with: jointrl train --resume {path}", flush=True)
@@ -326,6 +343,18 @@ def report_lines(run_dir: Path, config: Config) -> str:
     first = [p for p in written if p.name in ("rewards.png", "samples.png")]
     return (f"jointrl: report in {run_dir / 'report'} ({len(written)} pictures); open first:\n"
             + "\n".join(f"  {p}" for p in first) + (f"\n  no samples: {missing}" if missing else ""))
+
+
+def log_traceback(run_dir: Path, error: BaseException) -> Path:
+    """Append `error`'s whole traceback (a Ray error's holds every remote one) to the run's log,
+    RUN_DIR/ray.log; returns its path."""
+    import traceback
+    log = run_dir / "ray.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} jointrl: the run could not start:\n"
+                + "".join(traceback.format_exception(error)))
+    return log
 
 
 def failure(cause: BaseException) -> str:

@@ -259,6 +259,11 @@ class RewardConfig(Strict):
     timeout_per_image_s: NonNegativeFloat = Field(1.0, description="seconds a reward call may take per image it "
                                                   "scores, beside `timeout_s`: the deadline of a call of n images "
                                                   "is timeout_s + n x this")
+    max_failed_steps: NonNegativeInt = Field(3, description="steps in a row in which the reward failed on every "
+                                             "sample (each term raised, timed out or gave no finite number), so "
+                                             "that no update could be made, before the run checkpoints its last "
+                                             "step and stops (exit status 3), naming the term, its failed samples "
+                                             "and its last error; 0: never stop")
     actors: NonNegativeInt = Field(0, description="default for every term that scores images: K > 0: a pool of K "
                                                   "reward actors per term (its model loaded once per actor); 0: "
                                                   "each rollout worker scores (text terms always, unless their "
@@ -525,9 +530,9 @@ def validated(tree: dict) -> Config:
 def load_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
     """Resolve a preset name or YAML path plus `dotted.key=value` overrides into a Config, then check
     what it names outside itself (files, models, packages, the reward function)."""
-    from driver.preflight import preflight
+    from driver.preflight import download_line, preflight
     config = resolve_config(source, overrides)
-    preflight(config)
+    preflight(config, download_line(source, overrides))
     return config
 
 
@@ -535,7 +540,7 @@ def run_config(run_dir: Path, flag: str, overrides: list[str] = (), layer: str |
     """The saved config of the run in `run_dir`, with the keys of `layer` (a preset name or YAML
     path) set on top, then `overrides` (`flag` names the run in errors)."""
     from driver import overrides as sets, presets
-    from driver.preflight import preflight
+    from driver.preflight import download_line, preflight
     saved = Path(run_dir) / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"{flag} '{run_dir}' is not a run directory (no config.yaml there)")
@@ -543,7 +548,7 @@ def run_config(run_dir: Path, flag: str, overrides: list[str] = (), layer: str |
     if layer:
         tree = sets.merge(tree, presets.load_tree(layer))
     config = validated(sets.apply(sets.first_refiners(tree, list(overrides)), list(overrides)))
-    preflight(config)
+    preflight(config, download_line(str(saved), overrides))
     return config
 
 

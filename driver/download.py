@@ -31,8 +31,8 @@ class HubModel:
 
 def hub_models(config) -> list[HubModel]:
     """Every model of the run's experts and reward terms that is a hub id (not a local folder, not
-    `tiny:`), once each, with the first key that names it."""
-    from tasks.rewards import resolve
+    `tiny:`), once each, with the first key that names it (`experts.<id>.model.path`,
+    `reward.terms.<name>.<option>`)."""
     named = []
     for eid in config.experts.ids():
         m = config.expert(eid).model
@@ -40,15 +40,22 @@ def hub_models(config) -> list[HubModel]:
             named.append(HubModel(f"experts.{eid}.model.path", ModelRef(m.path, m.revision),
                                   pipeline=m.kind == "diffusers_flow"))
     for name, term in config.reward.terms.items():
-        options = term.options()
-        models = getattr(resolve(term.fn), "models", None)
-        if options is not None and models is not None:
-            named += [HubModel(f"reward.terms.{name}", model) for model in models(options)]
+        named += term_models(name, term)
     first: dict[ModelRef, HubModel] = {}
     for n in named:
         if n.model.on_hub:
             first.setdefault(n.model, n)
     return list(first.values())
+
+
+def term_models(name: str, term) -> list[HubModel]:
+    """The models reward term `name` loads, each with the key of the option that names it."""
+    from tasks.rewards import resolve
+    options = term.options()
+    models = getattr(resolve(term.fn), "models", None)
+    if options is None or models is None:
+        return []
+    return [HubModel(f"reward.terms.{name}.{model.option}", model) for model in models(options)]
 
 
 def download(config, on_model=print) -> list[str]:

@@ -23,11 +23,13 @@ from cluster.placement import Placement
 from cluster.recovery import FaultCounts, here
 from cluster.rollout_pool import RolloutPool
 from cluster.runtime import Runtime, get
+from cluster.startup import reports_start
 from driver import checkpoint, evaluate, metrics
 from driver.checkpoint import checkpoint_exists, checkpoint_path
 from driver.metrics import MetricsLog, marked_timer
 from driver.trackers import Trackers
 from tasks import build_task
+from tasks.reward_guard import FailingRewards
 
 
 def run_here(mode: str, fn, *args, **kwargs):
@@ -44,6 +46,7 @@ def run_here(mode: str, fn, *args, **kwargs):
 
 
 class DriverActor:
+    @reports_start
     def __init__(self, config, run_dir: str, resume: str | None = None, placement: Placement | None = None,
                  expert_cls=ExpertActor):
         """`resume`: a checkpoint folder; the run continues from its step with every expert's
@@ -63,6 +66,7 @@ class DriverActor:
             self.rollouts.resubmit(checkpoint.load_in_flight(Path(resume)), self.start_step, self.experts)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_before=self.start_step)
         self.stopping = False
+        self.failing = FailingRewards(config.reward.max_failed_steps)
         self.trackers = Trackers(config, self.run_dir, self.start_step)
 
     def samples(self, step: int) -> list:
@@ -77,6 +81,7 @@ class DriverActor:
         with marked_timer("step_s", timings):
             rollout = self.rollouts.collect(step, self.experts)  # `samples(step)`, rolled out (maybe ahead)
             meta = rollout.meta
+            self.failing.observe(meta.valid, meta.faults)
             lag = lags(meta.versions, self.experts.versions)
             valid = meta.valid & within(lag, cfg.cluster.max_staleness)
             adv = advantages(cfg.algorithm.credit, meta.terms, cfg.reward.weights, rollout.groups, rollout.refined,
@@ -109,13 +114,15 @@ class DriverActor:
                         in_flight=self.rollouts.older_weights(self.experts.versions))
 
     def run(self, on_row=None) -> dict:
-        """Train until `trainer.steps`, or until `stop()` was asked: then the step under way is
-        finished and the last completed one checkpointed. Checkpoints also come every
-        `trainer.checkpoint_every` steps and `trainer.checkpoint_every_s` seconds."""
+        """Train until `trainer.steps`, or until `stop()` was asked, or until the reward failed on
+        every sample of `reward.max_failed_steps` steps in a row (`rewards_failed` in the summary
+        says how): then the step under way is finished and the last completed one checkpointed.
+        Checkpoints also come every `trainer.checkpoint_every` steps and `trainer.checkpoint_every_s`
+        seconds."""
         t = self.config.trainer
         step, saved_at, checkpoint = self.start_step, time.monotonic(), None
         try:
-            while step < t.steps and not self.stopping:
+            while step < t.steps and not self.stopping and not self.failing.stop:
                 row = self.train_step(step)
                 if self.evaluation_due(step):
                     with marked_timer("time/eval_s", row):
@@ -125,16 +132,23 @@ class DriverActor:
                 if on_row:
                     on_row(row)
                 step += 1
-                if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or self.stopping \
-                        or (t.checkpoint_every_s and time.monotonic() - saved_at >= t.checkpoint_every_s):
+                if self.checkpoint_due(step, saved_at):
                     checkpoint, saved_at = self.save_checkpoint(step), time.monotonic()
             if checkpoint is None and not checkpoint_exists(self.run_dir, step):  # stopped before a step ended
                 checkpoint = self.save_checkpoint(step)
         finally:
             self.trackers.close()
         return {"run_dir": str(self.run_dir), "steps": step, "stopped": step < t.steps,
+                "rewards_failed": str(self.failing) if self.failing.stop else None,
                 "checkpoint": str(checkpoint or checkpoint_path(self.run_dir, step)),
                 "last": self.metrics.rows[-1] if self.metrics.rows else None}
+
+    def checkpoint_due(self, step: int, saved_at: float) -> bool:
+        """Whether to checkpoint once `step` steps are done: every `trainer.checkpoint_every` steps and
+        `trainer.checkpoint_every_s` seconds (since `saved_at`), after the last, and when the run stops."""
+        t = self.config.trainer
+        return bool(t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or self.stopping \
+            or self.failing.stop or bool(t.checkpoint_every_s and time.monotonic() - saved_at >= t.checkpoint_every_s)
 
     def evaluation_due(self, step: int) -> bool:
         """`evaluation.every` steps, and after the last step."""

@@ -44,7 +44,12 @@ def start_driver(config, run_dir: Path, resume: Path | None = None, expert_cls=E
         driver = Runtime("ray", config.trainer.run_name).spawn(
             DriverActor, config, str(Path(run_dir).resolve()), resume, placement, expert_cls, name="driver",
             max_concurrency=2, scheduling_strategy=here)
-        get(driver.poll.remote(0))  # raises what its start-up raised
+        try:
+            get(driver.poll.remote(0))  # raises what its start-up raised (cluster/startup.py)
+        except Exception:  # its actors died with it; the bundles reserved for them are given back
+            ray.kill(driver)
+            placement.release()
+            raise
     save_config(config, run_dir)
     return driver
 

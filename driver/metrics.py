@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from algorithm.credit import total_reward
-from tasks.reward_guard import FAULTS
+from tasks.reward_guard import FAULTS, RewardFaults
 
 
 @contextmanager
@@ -87,10 +87,11 @@ def counterfactual_metrics(without: dict[str, np.ndarray], total: np.ndarray, va
     return row
 
 
-def fault_metrics(reward_faults: dict[str, int], actor_faults: dict[str, int], rewarded: np.ndarray,
+def fault_metrics(reward_faults: RewardFaults, actor_faults: dict[str, int], rewarded: np.ndarray,
                   valid: np.ndarray) -> dict:
     """Reward faults of this step, actor faults survived so far, and the samples each dropped."""
-    return {**{f"faults/{k}": reward_faults.get(k, 0) for k in FAULTS}, "faults/skipped_update": int(not valid.any()),
+    return {**{f"faults/{k}": reward_faults.counts.get(k, 0) for k in FAULTS},
+            "faults/skipped_update": int(not valid.any()),
             **{f"faults/{k}": n for k, n in actor_faults.items()}, "faults/dropped_samples": int((~rewarded).sum())}
 
 

@@ -257,7 +257,8 @@ def tiny_generator_expert(config: Config, name: str, share: int) -> ActorPlan:
              "activations (one micro-batch)": batch * tokens * m.d_model * m.n_layers * TINY_ACTIVATION,
              "trajectories (one step)": step_samples(config) * (trajectory_states(spec) * latent * 4
                                                                 + config.text_len() * config.experts.text_encoder.d_model * 4)}
-    return ActorPlan(name, "update", wants_gpu(spec.resources), {"transformer": params}, parts)
+    advice = [f"a smaller experts.generator.micro_batch (now {batch} transitions per backward pass)"] if batch > 1 else []
+    return ActorPlan(name, "update", wants_gpu(spec.resources), {"transformer": params}, parts, advice)
 
 
 def refiner_expert(config: Config, eid: str, rank: int) -> ActorPlan:

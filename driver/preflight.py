@@ -103,9 +103,11 @@ def missing(*modules: str) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
-def preflight(config: Config) -> None:
-    """Raise ConfigError naming every key whose file, model, package or reward function is not there.
-    Local model paths are set to the directory that is loaded (`~` expanded)."""
+def preflight(config: Config, download: str = "jointrl download --config <your config>") -> None:
+    """Raise ConfigError naming every key whose file, model, package or reward function is not there
+    (a hub model: not in the cache while the hub cannot be reached; `download`: the command that
+    fetches the config's models, said with it). Local model paths are set to the directory that is
+    loaded (`~` expanded)."""
     problems = []
 
     def check(key: str, test, *args):
@@ -135,6 +137,9 @@ def preflight(config: Config) -> None:
             problems.append(f"logging.{flag}: true needs the '{module}' package: pip install 'jointrl[log]'")
     problems += [f"{key}: {value} is not a finite number" for key, value in flat(config.model_dump()).items()
                  if isinstance(value, float) and not math.isfinite(value)]
+    if not problems:
+        from driver.download import hub_models
+        problems += hub_problems(hub_models(config), download)
     if not problems and (too_big := memory_problem(config)):
         problems.append(too_big)
     if problems:
@@ -166,6 +171,31 @@ def term_problems(key: str, term) -> list[str]:
         if isinstance(value := getattr(options, field, None), str) and not Path(value).is_file():
             problems.append(f"{key}.{field}: no file at '{value}'")
     return problems
+
+
+def download_line(source: str, overrides) -> str:
+    """The `jointrl download` command that fetches the models of the config `source` + `overrides`."""
+    import shlex
+    return shlex.join(["jointrl", "download", "--config", source, *(a for o in overrides for a in ("--set", o))])
+
+
+def hub_problems(models: list, download: str | None = None) -> list[str]:
+    """The hub models (driver/download.py HubModel) that nothing here could load: not in this
+    machine's Hugging Face cache while the hub cannot be reached (asked once, and only if one is
+    missing). Each is named by its key, with how to have it beforehand: `download` (a command
+    fetching them all), else an `hf download` line each."""
+    from huggingface_hub import constants
+
+    from common.hub import cached, hub_unreachable
+    missing = [m for m in models if m.model.on_hub and cached(m.model) is None]
+    if not missing or (why := hub_unreachable()) is None:
+        return []
+    them = "them" if len(missing) > 1 else "it"
+    named = [f"{m.key}: '{m.model.name}'{f' at revision {m.model.revision}' if m.model.revision else ''} is "
+             f"neither a local folder, a tiny:<kind> model nor in this machine's Hugging Face cache" for m in missing]
+    return [*named, f"the hub cannot be reached ({why}) to fetch {them}: fetch {them} beforehand where it can be, "
+                    f"into a cache this machine reads (HF_HOME; here {constants.HF_HUB_CACHE}): "
+                    f"`{download or '`, `'.join(m.hf_command() for m in missing)}`; or name a local folder"]
 
 
 def task_problems(config: Config) -> list[str]:
@@ -218,9 +248,11 @@ def memory_problem(config: Config, have: float | None = None, where: str = "this
         return None
     largest = max(plan.actors.values(), key=lambda a: a.total)
     part = max(largest.bytes, key=largest.bytes.get)
-    return (f"trainer.prompts_per_step x algorithm.group_size, the models and their batches: one step needs "
-            f"{plan.host_bytes / 2**30:.1f} GiB by the memory plan (`jointrl plan`; the largest actor {largest.name}, "
-            f"{largest.total / 2**30:.1f} GiB, most of it {part}), {where} has {have / 2**30:.1f} GiB; lower them")
+    helps = "; ".join(largest.advice or ["smaller models"])
+    return (f"trainer.prompts_per_step x algorithm.group_size x task.image_size, the models and their batches: one "
+            f"step needs {plan.host_bytes / 2**30:.1f} GiB by the memory plan (`jointrl plan`; the largest actor "
+            f"{largest.name}, {largest.total / 2**30:.1f} GiB, most of it {part}), {where} has {have / 2**30:.1f} "
+            f"GiB; lower them, or for {largest.name}: {helps}")
 
 
 def gpu_asks(config: Config) -> list:

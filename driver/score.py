@@ -135,9 +135,11 @@ def checked_inputs(config: Config, prompts_file: str, folder: Path) -> tuple[lis
 def score_folder(config: Config, name: str, term, prompts_file: str, folder: Path, device,
                  progress=lambda n: None) -> Scored:
     """Score every image of `folder` against its prompt with the term `name` (see the module docstring)."""
-    from driver.preflight import term_problems
+    from common.loading import ModelLoadError
+    from driver.download import term_models
+    from driver.preflight import hub_problems, term_problems
     from tasks.rewards.term import build_scorer
-    if problems := term_problems(f"reward.terms.{name}", term):
+    if problems := term_problems(f"reward.terms.{name}", term) or hub_problems(term_models(name, term)):
         raise ConfigError(invalid(problems))
     from tasks.rewards import resolve
     if not term.needs_images():
@@ -149,7 +151,9 @@ def score_folder(config: Config, name: str, term, prompts_file: str, folder: Pat
     prompts, files, sizes = checked_inputs(config, prompts_file, folder)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # a library's chatter must not mix into --json
-            scorer = build_scorer(term, device)
+            scorer = build_scorer(term, device, name)
+    except ModelLoadError as e:
+        raise ConfigError(f"{e}. Nothing was scored.") from None
     except (ValueError, OSError) as e:
         raise ConfigError(f"reward.terms.{name}: the term could not be built ({type(e).__name__}: {e}). "
                           f"Nothing was scored.") from None

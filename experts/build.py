@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from common.loading import loading_model
 from common.seeding import derive_seed
 from experts import state_file
 from experts.weights import load, model_tensors
@@ -43,9 +44,18 @@ class ExpertKind:
         raise NotImplementedError
 
     def build_model(self, fresh: bool = False, device: torch.device = torch.device("cpu")) -> torch.nn.Module:
-        """The model at version 0: seeded, then from `init` unless `fresh`; a pretrained one on `device`."""
-        return seeded_model(self.config, self.expert_id, lambda: self.fresh_model(device),
+        """The model at version 0: seeded, then from `init` unless `fresh`; a pretrained one on `device`
+        (one that cannot be loaded raises a ModelLoadError naming `experts.<id>.model.path`)."""
+        return seeded_model(self.config, self.expert_id, lambda: self.loaded_model(device),
                             None if fresh else self.spec.init)
+
+    def loaded_model(self, device: torch.device) -> torch.nn.Module:
+        """`fresh_model`, any failure to load a pretrained model said as its `path` key's."""
+        path = getattr(self.spec.model, "path", None)
+        if path is None:
+            return self.fresh_model(device)
+        with loading_model(f"experts.{self.expert_id}.model.path", path):
+            return self.fresh_model(device)
 
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None) -> tuple[float, dict]:

@@ -62,7 +62,9 @@ class ShapesFrontEnd:
 def build_frontend(config, device: torch.device = torch.device("cpu")):
     if config.experts.generator.model.kind == "diffusers_flow":
         from common.hub import local_model
+        from common.loading import loading_model
         from experts.families import family_module
         m = config.experts.generator.model
-        return family_module(local_model(m.path, m.revision)).FrontEnd(config, device)
+        with loading_model("experts.generator.model.path", m.path):
+            return family_module(local_model(m.path, m.revision)).FrontEnd(config, device)
     return ShapesFrontEnd(config, device)

@@ -71,22 +71,35 @@ def meta_component(folder: Path, library: str, cls: str) -> nn.Module:
     with META:
         if library == "diffusers":
             return found.from_config(found.load_config(folder))
-        from transformers import AutoConfig
-        return found._from_config(AutoConfig.from_pretrained(folder))
+        return found._from_config(transformers_config(folder))
+
+
+def transformers_config(folder: Path):
+    """The transformers config in `folder`; UnknownModel where transformers cannot read it (a model
+    type it does not know): the plan cannot size it, and loading it says why, naming its key."""
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, OSError) as e:
+        raise UnknownModel(f"transformers cannot read the config in '{folder}' ({type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
 
 
 def meta_causal_lm(folder: Path) -> nn.Module:
     """The causal LM of the config in `folder` (as AutoModelForCausalLM loads it), on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+    config = transformers_config(folder)
     with META:
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        return AutoModelForCausalLM.from_config(config)
 
 
 def meta_pretrained(folder: Path) -> nn.Module:
     """A transformers model of the class its config.json names, on the meta device."""
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(folder)
-    cls = getattr(importlib.import_module("transformers"), (config.architectures or ["AutoModel"])[0])
+    config = transformers_config(folder)
+    name = (config.architectures or ["AutoModel"])[0]
+    cls = getattr(importlib.import_module("transformers"), name, None)
+    if cls is None:
+        raise UnknownModel(f"'{folder}' names the architecture {name}, which transformers does not have")
     with META:
         return cls._from_config(config)
 

@@ -29,7 +29,7 @@ from experts.trajectories import split_shared, trajectories
 from experts.weights import load
 from tasks import build_task
 from tasks.base import Refinement, to_uint8
-from tasks.reward_guard import RewardSet
+from tasks.reward_guard import RewardFaults, RewardSet
 from tasks.rewards.term import build_scorer
 
 
@@ -45,7 +45,7 @@ class RolloutMeta:
     versions: list[dict]
     counterfactual: dict[str, dict[str, np.ndarray]]
     refinements: list[dict[str, str]]
-    faults: dict[str, int]
+    faults: RewardFaults
     cache_hits: int
     cache_misses: int
     busy_s: float
@@ -63,10 +63,9 @@ class RolloutMeta:
         def nested(field: str) -> dict[str, dict[str, np.ndarray]]:
             return {e: {t: np.concatenate([getattr(m, field)[e][t] for m in metas]) for t in terms}
                     for e, terms in getattr(metas[0], field).items()}
-        faults: dict[str, int] = {}
+        faults = RewardFaults()
         for m in metas:
-            for kind, n in m.faults.items():
-                faults[kind] = faults.get(kind, 0) + n
+            faults.add(m.faults)
         return RolloutMeta(joined("samples"), arrays("terms"), np.concatenate([m.valid for m in metas]),
                            joined("versions"), nested("counterfactual"), joined("refinements"), faults,
                            sum(m.cache_hits for m in metas), sum(m.cache_misses for m in metas),
@@ -132,7 +131,7 @@ class RolloutPipeline:
         self.state_steps = kept_states(trained_steps(self.sde, config.experts.generator.train_final_step))
         self.owners = config.owners()
         scorers = scorers or {}
-        self.rewards = RewardSet({name: scorers.get(name) or build_scorer(term, device)
+        self.rewards = RewardSet({name: scorers.get(name) or build_scorer(term, device, name)
                                   for name, term in config.reward.terms.items()}, self.owners, config.reward.timeout_s,
                                  config.reward.timeout_per_image_s)
 
@@ -176,7 +175,7 @@ class RolloutPipeline:
         kept, logps = states[:, self.state_steps.to(states.device)].cpu(), logps.cpu()
         per_sample, shared = split_shared({k: v.cpu() for k, v in cond.items()})
         del states, cond
-        faults: dict[str, int] = {}
+        faults = RewardFaults()
         terms, valid = self.reward(images, samples, refinements, faults)
         counterfactual = self.counterfactual(step, samples, refinements, noise, faults)
         shown = np.stack([to_uint8(im) for im in images]) if self.shows_images(step) else None
@@ -258,15 +257,15 @@ class RolloutPipeline:
                 seed, "initial noise", step, s.group)) for s in samples])
         return draws
 
-    def reward(self, images: np.ndarray, samples: list, refinements: list[dict], faults: dict[str, int]):
+    def reward(self, images: np.ndarray, samples: list, refinements: list[dict], faults: RewardFaults):
         """(named terms, valid per sample) of decoded images in [-1, 1], scored against the original
-        prompts; faults are counted into `faults`."""
+        prompts; faults are added to `faults`."""
         terms, valid, found = self.rewards(images, [s.prompt for s in samples], refinements)
-        for kind, n in found.items():
-            faults[kind] = faults.get(kind, 0) + n
+        faults.add(found)
         return terms, valid
 
-    def counterfactual(self, step, samples, refinements, noise, faults: dict) -> dict[str, dict[str, np.ndarray]]:
+    def counterfactual(self, step, samples, refinements, noise,
+                       faults: RewardFaults) -> dict[str, dict[str, np.ndarray]]:
         """Per refiner k, the reward terms of R(without y_k): the same sample regenerated from the
         same noise with y_k dropped (NaN where not drawn; `counterfactual_fraction` bounds the cost),
         reward faults counted into `faults`. Only under counterfactual credit (algorithm/credit.py)."""

@@ -34,6 +34,27 @@ def always_inf(images, prompts, refinements):
     return np.full(len(prompts), np.inf)
 
 
+def always_raises(images, prompts, refinements):
+    raise RuntimeError("reward server said no")
+
+
+class FailsAfter:
+    """The shapes image term for its first `calls` calls (one a step per rollout worker), then a
+    RuntimeError on every call: a reward that breaks mid-run."""
+
+    class Options(Strict):
+        calls: int
+
+    def __init__(self, options, device):
+        self.options, self.made = options, 0
+
+    def __call__(self, images, prompts, refinements):
+        self.made += 1
+        if self.made > self.options.calls:
+            raise RuntimeError(f"reward server gone after {self.options.calls} calls")
+        return shapes_image(images, prompts)
+
+
 NOT_CALLABLE = 3
 
 

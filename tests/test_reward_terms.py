@@ -12,7 +12,7 @@ import torch
 from algorithm.batch import step_prompts
 from driver.config import ConfigError, load_config, resolve_config
 from tasks.base import Refinement, TextPrompt
-from tasks.reward_guard import RewardSet
+from tasks.reward_guard import FailingRewards, RewardSet
 from tasks.rewards.term import TermConfig, build_scorer
 from tasks.rewards.text import Faithful, FaithfulOptions, Format, FormatOptions, Length, LengthOptions
 
@@ -73,7 +73,7 @@ def test_every_term_of_a_batch_is_scored_at_once_on_its_owners_refinements():
     rewards = RewardSet({"a": term("a"), "b": term("b")}, {"a": ["refiner_1"]}, timeout_s=20)
     refinements = [{"refiner_0": Refinement("x", True), "refiner_1": Refinement("y", True)}, {}]
     terms, valid, faults = rewards(np.zeros((2, 3, 4, 4)), [GENEVAL] * 2, refinements)
-    assert valid.all() and not any(faults.values())
+    assert valid.all() and not any(faults.counts.values())
     assert seen == {"a": [["refiner_1"], []], "b": [["refiner_0", "refiner_1"], []]}
 
 
@@ -86,15 +86,43 @@ def test_a_failing_term_costs_its_samples_only_and_says_why(caplog):
     rewards = RewardSet({"picky": picky, "fine": lambda i, p, r: np.arange(len(p), dtype=float)}, {}, timeout_s=5)
     with caplog.at_level(logging.WARNING, logger="jointrl.reward"):
         terms, valid, faults = rewards(np.zeros((3, 3, 4, 4)), prompts, [{}, {}, {}])
-    assert valid.tolist() == [True, False, True] and faults["reward_error"] == 1
+    assert valid.tolist() == [True, False, True] and faults.counts["reward_error"] == 1
     np.testing.assert_array_equal(terms["fine"], [0, 0, 2])  # an invalid sample's terms are 0
     assert "picky" in caplog.text and "no cats here" in caplog.text
+    assert (faults.terms["picky"].scored, faults.terms["picky"].failed) == (3, 1) and faults.terms["fine"].failed == 0
+    assert faults.failing() == "reward.terms.picky failed on 1 of 3 samples (last error: RuntimeError: no cats here)"
+
+
+def test_steps_whose_every_sample_failed_are_counted_in_a_row_with_what_failed():
+    """Only a step in which no sample's reward could be had counts; one valid sample starts the
+    count again. What the stop says: each failing term, its failed samples of those scored over
+    the failed steps, and its last error (a raise, a non-finite score)."""
+    def broken(images, prompts, refinements):
+        raise OSError(f"model gone ({len(prompts)})")
+    nan = RewardSet({"nan": lambda i, p, r: np.full(len(p), np.nan)}, {}, timeout_s=5)
+    rewards = {"ok": RewardSet({"a": lambda i, p, r: np.ones(len(p))}, {}, timeout_s=5),
+               "broken": RewardSet({"broken": broken, "fine": lambda i, p, r: np.ones(len(p))}, {}, timeout_s=5)}
+    failing = FailingRewards(limit=2)
+    prompts = [TextPrompt("a dog")] * 3
+    for which, stop in (("broken", False), ("ok", False), ("broken", False), ("broken", True)):
+        _, valid, faults = rewards[which](np.zeros((3, 3, 4, 4)), prompts, [{}] * 3)
+        failing.observe(valid, faults)
+        assert failing.stop == stop
+    assert str(failing) == ("the reward failed on every sample of 2 steps in a row (reward.max_failed_steps=2), so "
+                            "nothing could be learnt: reward.terms.broken failed on 6 of 6 samples (last error: "
+                            "OSError: model gone (1))")
+    never = FailingRewards(limit=0)
+    for _ in range(5):
+        _, valid, faults = nan(np.zeros((2, 3, 4, 4)), prompts[:2], [{}] * 2)
+        never.observe(valid, faults)
+    assert not never.stop and never.steps == 5 and faults.counts["reward_nan"] == 2
+    assert "reward.terms.nan failed on 10 of 10 samples (last error: scored nan (not a finite number))" in str(never)
 
 
 def test_a_term_that_returns_a_dict_is_an_error_naming_it():
     rewards = RewardSet({"old": lambda i, p, r: {"old": np.ones(len(p))}}, {}, timeout_s=5)
     _, valid, faults = rewards(np.zeros((1, 3, 4, 4)), [GENEVAL], [{}])
-    assert not valid.any() and faults["reward_error"] == 1
+    assert not valid.any() and faults.counts["reward_error"] == 1
 
 
 @pytest.mark.parametrize("term, says", [
@@ -172,11 +200,11 @@ def test_the_deadline_grows_with_the_batch():
         rewards = RewardSet({"slow": per_image}, {}, timeout_s=0.3, timeout_per_image_s=per_image_s)
         assert rewards.seconds(12) == pytest.approx(0.3 + 12 * per_image_s)
         _, valid, faults = rewards(np.zeros((12, 3, 4, 4)), batch, [{}] * 12)
-        assert valid.all() and not any(faults.values()) and calls == expected
+        assert valid.all() and not any(faults.counts.values()) and calls == expected
     rewards = RewardSet({"slow": per_image}, {}, timeout_s=0.3, timeout_per_image_s=0.1)
     _, valid, faults = rewards(np.zeros((3, 3, 4, 4)), [TextPrompt("a dog"), TextPrompt("a cat"), TextPrompt("a cow")],
                                [{}] * 3)
-    assert valid.tolist() == [True, False, True] and faults["reward_timeout"] == 1
+    assert valid.tolist() == [True, False, True] and faults.counts["reward_timeout"] == 1
 
 
 class Scorer:

@@ -94,7 +94,8 @@ class ClipScore(RewardModel):
     @classmethod
     def models(cls, options: Options) -> list[ModelRef]:
         processor = cls.processor_of(options)
-        alone = [ModelRef(processor, weights=False)] if processor != cls.named_model(options) else []
+        alone = [ModelRef(processor, weights=False, option="processor")] \
+            if processor != cls.named_model(options) else []
         return [*super().models(options), *alone]  # a processor of another repo: its files, not its weights
 
     def scaled(self, cosine: torch.Tensor) -> torch.Tensor:

@@ -289,7 +289,7 @@ class GenEval(RewardModel):
 
     @classmethod
     def models(cls, options: GenEvalOptions) -> list[ModelRef]:
-        return [*super().models(options), ModelRef(options.clip_model)]
+        return [*super().models(options), ModelRef(options.clip_model, option="clip_model")]
 
     def __call__(self, images: np.ndarray, prompts: Sequence[Any],
                  refinements: Sequence[dict[str, Refinement]]) -> np.ndarray:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
 from common.config import Resources, Strict
+from common.hub import asked_models
+from common.loading import ModelLoadError, load_error, out_of_memory
 from tasks.rewards import BUILTINS, is_model, resolve
 
 
@@ -67,7 +69,29 @@ class TermConfig(Strict):
         return bool(resolve(self.fn).needs_images)
 
 
-def build_scorer(term: TermConfig, device):
-    """The callable that scores `term`: a class is constructed (its model loaded) here, once."""
+def build_scorer(term: TermConfig, device, name: str | None = None):
+    """The callable that scores `term`: a class is constructed (its model loaded) here, once. Given
+    the term's `name`, a failure to construct it (but running out of memory) is raised as a
+    ModelLoadError naming the option of the model it was loading (`reward.terms.<name>.model`,
+    `.processor`, `.clip_model`, …: the last one it asked for)."""
     found = resolve(term.fn)
-    return found(term.options(), device) if is_model(found) else found
+    if not is_model(found):
+        return found
+    options = term.options()
+    with asked_models() as asked:
+        try:
+            return found(options, device)
+        except Exception as error:
+            if name is None or out_of_memory(error) or isinstance(error, ModelLoadError):
+                raise
+            raise load_error(error, *blamed_model(found, options, f"reward.terms.{name}", asked)) from error
+
+
+def blamed_model(found, options, key: str, asked: list[str]) -> tuple[str, str]:
+    """(the option's key, the model) that a failed construction of scorer `found` is blamed on:
+    of the models its options name, the last one it asked for, else the first; the term itself
+    (its `fn`) when it names none."""
+    refs = found.models(options) if hasattr(found, "models") else []
+    last = asked[-1] if asked else None
+    ref = next((r for r in refs if r.name == last), refs[0] if refs else None)
+    return (f"{key}.{ref.option}", ref.name) if ref else (key, getattr(found, "__name__", str(found)))

@@ -83,7 +83,7 @@ class Length(TextTerm):
 
     @classmethod
     def models(cls, options: LengthOptions) -> list[ModelRef]:
-        return [ModelRef(options.tokenizer, weights=False)] if options.tokenizer else []
+        return [ModelRef(options.tokenizer, weights=False, option="tokenizer")] if options.tokenizer else []
 
     def size(self, text: str) -> int:
         if self.tokenizer is None:
