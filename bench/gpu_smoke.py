@@ -137,11 +137,9 @@ def machine_target(tiny: bool) -> tuple[int, float]:
     return (1 if tiny else torch.cuda.device_count()), torch.cuda.get_device_properties(0).total_memory / GB
 
 
-def smoke_config(preset: str, tiny: bool, gpus: int, gpu_memory_gb: float, steps: int, prompts: int | None,
-                 collective: bool, random: bool = False):
-    """The run's config: the preset (or its tiny stand-in, or its random weights), planned for
-    `gpus` GPUs of `gpu_memory_gb`, `steps` steps of `prompts` prompts (None: `smallest_batch`)."""
-    from driver.config import load_config
+def smoke_overrides(preset: str, tiny: bool, gpus: int, gpu_memory_gb: float, steps: int, collective: bool,
+                    random: bool = False) -> tuple[str, list[str]]:
+    """(the config source, its overrides) of the run, but for its batch (`smoke_config`)."""
     overrides = [f"trainer.steps={steps}", "logging.images_every=1", "logging.tensorboard=true",
                  "trainer.checkpoint_every_s=0", "plan.target.nodes=1", f"plan.target.gpus_per_node={gpus}",
                  f"plan.target.gpu_memory_gb={gpu_memory_gb:.3f}"]
@@ -151,7 +149,15 @@ def smoke_config(preset: str, tiny: bool, gpus: int, gpu_memory_gb: float, steps
         overrides += random_overrides(preset)
     if collective:
         overrides += ["cluster.sync=collective", "cluster.collective_backend=nccl"]
-    source = "prompts-tiny" if tiny else preset
+    return ("prompts-tiny" if tiny else preset), overrides
+
+
+def smoke_config(preset: str, tiny: bool, gpus: int, gpu_memory_gb: float, steps: int, prompts: int | None,
+                 collective: bool, random: bool = False):
+    """The run's config: the preset (or its tiny stand-in, or its random weights), planned for
+    `gpus` GPUs of `gpu_memory_gb`, `steps` steps of `prompts` prompts (None: `smallest_batch`)."""
+    from driver.config import load_config
+    source, overrides = smoke_overrides(preset, tiny, gpus, gpu_memory_gb, steps, collective, random)
     config = load_config(source, overrides)
     return load_config(source, [*overrides, f"trainer.prompts_per_step={prompts or smallest_batch(config)}"])
 

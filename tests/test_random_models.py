@@ -129,8 +129,11 @@ def test_a_random_model_is_planned_as_the_architecture_it_stands_for(sources):
 def test_the_gpu_presets_real_models_are_planned_alike_with_random_weights():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import gpu_smoke
-    real = gpu_smoke.smoke_config("gpu", False, 1, 80.0, 2, None, False)
-    stand_in = gpu_smoke.smoke_config("gpu", False, 1, 80.0, 2, None, False, random=True)
+    from driver.config import resolve_config
+    stand_in = gpu_smoke.smoke_config("gpu", False, 1, 80.0, 2, None, False, random=True)  # its preflight passes here
+    # the real models, which are not here (the preflight would refuse them): the same config unchecked
+    source, overrides = gpu_smoke.smoke_overrides("gpu", False, 1, 80.0, 2, False)
+    real = resolve_config(source, [*overrides, f"trainer.prompts_per_step={stand_in.trainer.prompts_per_step}"])
     assert [stand_in.expert(e).model.path for e in stand_in.experts.ids()] == \
         [f"random:{real.expert(e).model.path}" for e in real.experts.ids()]
     assert plan_for(stand_in, config_target(stand_in)).to_json() == plan_for(real, config_target(real)).to_json()
