@@ -6,7 +6,15 @@ its memory plan (driver/plan.py).
     bench/gpu_smoke.sh --preset flux2-klein --tiny  its family's tiny random stand-in under the
                                                     preset's sampler and loss settings, on one GPU
     bench/gpu_smoke.sh --preset all --tiny          every GPU preset's tiny stand-in, one after another
+    bench/gpu_smoke.sh --preset gpu --random        the preset's real architectures with random
+                                                    weights (`random:<hub id>`), built here: no hub
     options: --collective (weight sync by NCCL broadcast), --steps N (2), --prompts N, --run-dir DIR
+
+With --random every generator and refiner the preset names by hub id is `random:<hub id>`
+(common/random_models.py): the same architecture, dtype and token counts, so the same plan as the
+real models, with random weights and stand-in tokenizers built on this machine before the run
+(a few GB a second: SD3.5-medium with its T5-XXL is 16 GB in bfloat16); a preset whose reward terms
+load models of their own is refused (no random stand-ins for them yet).
 
 The run's config is the preset's, planned for this machine (`plan.target`: its GPUs and their
 memory; with --tiny one GPU), its batch cut to `--prompts` prompts per step (default: the fewest
@@ -93,25 +101,63 @@ def tiny_overrides(preset: str) -> list[str]:
     return out
 
 
+def random_overrides(preset: str) -> list[str]:
+    """The preset with each generator and refiner that names a hub id as `random:<hub id>`;
+    ConfigError if a reward term loads a model (none has a random stand-in)."""
+    from common.hub import RANDOM, ModelRef
+    from driver.config import ConfigError, resolve_config
+    from tasks.rewards import resolve
+    real = resolve_config(preset)
+    loaders = [name for name, term in real.reward.terms.items() if hasattr(resolve(term.fn), "models")
+               and term.options() is not None and any(ref.on_hub for ref in resolve(term.fn).models(term.options()))]
+    if loaders:
+        raise ConfigError(f"--random: the reward terms {', '.join(loaders)} of '{preset}' load models of their own, "
+                          f"which have no random stand-in; run --tiny, or a preset whose reward needs no model (gpu)")
+    return [f"experts.{e}.model.path={RANDOM}{real.expert(e).model.path}" for e in real.experts.ids()
+            if real.expert(e).model.kind in ("hf_causal_lm", "diffusers_flow") and ModelRef(real.expert(e).model.path).on_hub]
+
+
+def built_models(config) -> list[str]:
+    """Build (or find) every `random:` model of the config's experts before the run, each timed
+    and said (so that the actors find them built, and the build's time is not the run's)."""
+    from common.hub import is_random, local_model
+    names = list(dict.fromkeys(config.expert(e).model.path for e in config.experts.ids()
+                               if is_random(getattr(config.expert(e).model, "path", None))))
+    for name in names:
+        start = time.perf_counter()
+        folder = local_model(name)
+        size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+        print(f"{name}: {size / GB:.1f} GB in {folder} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return names
+
+
 def machine_target(tiny: bool) -> tuple[int, float]:
     """(GPUs, GB each) this run is planned for: this machine's (one of them with --tiny)."""
     import torch
     return (1 if tiny else torch.cuda.device_count()), torch.cuda.get_device_properties(0).total_memory / GB
 
 
-def smoke_config(preset: str, tiny: bool, gpus: int, gpu_memory_gb: float, steps: int, prompts: int | None,
-                 collective: bool):
-    """The run's config: the preset (or its tiny stand-in), planned for `gpus` GPUs of
-    `gpu_memory_gb`, `steps` steps of `prompts` prompts (None: `smallest_batch`)."""
-    from driver.config import load_config
+def smoke_overrides(preset: str, tiny: bool, gpus: int, gpu_memory_gb: float, steps: int, collective: bool,
+                    random: bool = False) -> tuple[str, list[str]]:
+    """(the config source, its overrides) of the run, but for its batch (`smoke_config`)."""
     overrides = [f"trainer.steps={steps}", "logging.images_every=1", "logging.tensorboard=true",
                  "trainer.checkpoint_every_s=0", "plan.target.nodes=1", f"plan.target.gpus_per_node={gpus}",
                  f"plan.target.gpu_memory_gb={gpu_memory_gb:.3f}"]
     if tiny:
         overrides += tiny_overrides(preset)
+    elif random:
+        overrides += random_overrides(preset)
     if collective:
         overrides += ["cluster.sync=collective", "cluster.collective_backend=nccl"]
-    source = "prompts-tiny" if tiny else preset
+    return ("prompts-tiny" if tiny else preset), overrides
+
+
+def smoke_config(preset: str, tiny: bool, gpus: int, gpu_memory_gb: float, steps: int, prompts: int | None,
+                 collective: bool, random: bool = False):
+    """The run's config: the preset (or its tiny stand-in, or its random weights), planned for
+    `gpus` GPUs of `gpu_memory_gb`, `steps` steps of `prompts` prompts (None: `smallest_batch`)."""
+    from driver.config import load_config
+    source, overrides = smoke_overrides(preset, tiny, gpus, gpu_memory_gb, steps, collective, random)
     config = load_config(source, overrides)
     return load_config(source, [*overrides, f"trainer.prompts_per_step={prompts or smallest_batch(config)}"])
 
@@ -184,7 +230,8 @@ def table(title: str, gpus: list[GPURow], verdict: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def smoke(preset: str, tiny: bool, steps: int, prompts: int | None, collective: bool, run_dir: Path) -> bool:
+def smoke(preset: str, tiny: bool, steps: int, prompts: int | None, collective: bool, run_dir: Path,
+          random: bool = False) -> bool:
     """One preset's run on this machine's GPUs, its table printed; whether it passed."""
     import ray
 
@@ -192,10 +239,11 @@ def smoke(preset: str, tiny: bool, steps: int, prompts: int | None, collective: 
     from driver.launch import start_driver, stop_driver
     from driver.plan import config_target, plan_for, report
     gpus, memory = machine_target(tiny)
-    config = smoke_config(preset, tiny, gpus, memory, steps, prompts, collective)
+    config = smoke_config(preset, tiny, gpus, memory, steps, prompts, collective, random)
     config.trainer.run_name = run_dir.name
     plan = plan_for(config, config_target(config))  # PlanError (exit 2): it cannot fit this machine
     print(report(plan), flush=True)
+    built_models(config)
     ray.init(address="local", num_gpus=gpus, include_dashboard=False, namespace="jointrl")
     try:
         driver = start_driver(config, run_dir)
@@ -211,7 +259,8 @@ def smoke(preset: str, tiny: bool, steps: int, prompts: int | None, collective: 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     planned = gpu_rows(plan, reports)
     verdict = checks(rows, config, planned, "collective" if collective else "object_store")
-    print(table(f"{preset}{' (tiny)' if tiny else ''} on {gpus} GPU(s) of {memory:.0f} GB", planned, verdict),
+    kind = " (tiny)" if tiny else " (random weights)" if random else ""
+    print(table(f"{preset}{kind} on {gpus} GPU(s) of {memory:.0f} GB", planned, verdict),
           flush=True)
     return all(c.ok is not False for c in verdict)
 
@@ -219,7 +268,10 @@ def smoke(preset: str, tiny: bool, steps: int, prompts: int | None, collective: 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="gpu", choices=(*GPU_PRESETS, "all"))
-    p.add_argument("--tiny", action="store_true", help="the preset's tiny random stand-in, on one GPU")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--tiny", action="store_true", help="the preset's tiny random stand-in, on one GPU")
+    mode.add_argument("--random", action="store_true",
+                      help="the preset's real architectures with random weights built here (no hub)")
     p.add_argument("--collective", action="store_true", help="weight sync by NCCL broadcast")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default: one chunk per worker)")
@@ -239,7 +291,7 @@ def main() -> int:
         run_dir = Path(args.run_dir) / preset
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
-            passed.append(smoke(preset, args.tiny, args.steps, args.prompts, args.collective, run_dir))
+            passed.append(smoke(preset, args.tiny, args.steps, args.prompts, args.collective, run_dir, args.random))
         except ConfigError as e:  # its plan cannot fit this machine (or its config is wrong): said, not run
             print(f"gpu_smoke {preset}: {e}", file=sys.stderr, flush=True)
             refused.append(preset)

@@ -73,8 +73,8 @@ def plans_table() -> list[str]:
 
 def counted(how: tuple[str, str]) -> int:
     from driver.config import resolve_config
-    from experts.memory import (ARCHITECTURES, config_folder, count, meta_causal_lm, meta_component,
-                                reward_architecture, weighted_components)
+    from common.architectures import ARCHITECTURES, config_folder, weighted_components
+    from experts.memory import count, meta_causal_lm, meta_component, reward_architecture
     kind, what = how
     if kind == "lm":
         return count(meta_causal_lm(config_folder(what)))

@@ -14,6 +14,11 @@ tests and the `prompts-tiny` preset need no hub, and a run with real models diff
 The cache is `$JOINTRL_TINY_CACHE`, else `~/.cache/jointrl/tiny`; builds are atomic (a folder is
 renamed into place), so actors that ask at once all end up reading the same files.
 
+`random:<name>` is the real architecture of `<name>` (a hub id whose config files are at hand, as
+`jointrl plan` finds them, or a local folder of config files) with random weights and stand-in
+tokenizers, built here (common/random_models.py) into `<cache>/random/` and loaded by the same code
+as the real checkpoint: a run at real scale, planned as the real one, on a machine without the hub.
+
 Before a run starts, a hub id must be in this machine's cache or the hub must answer: `cached`
 finds the folder a load would read without asking the hub, and `hub_unreachable` asks the hub once,
 briefly (HF_HUB_OFFLINE set, or no answer within seconds, means it cannot be reached).
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TINY = "tiny:"
+RANDOM = "random:"
 # kind -> builder `package.module:function(out_dir) -> out_dir`; bump a kind's suffix when its builder changes
 BUILDERS = {
     "qwen2": "experts.tiny_hf:tiny_text_lm",
@@ -50,6 +56,15 @@ VERSION = "v1"
 
 def is_tiny(spec: str | None) -> bool:
     return bool(spec) and spec.startswith(TINY)
+
+
+def is_random(spec: str | None) -> bool:
+    return bool(spec) and spec.startswith(RANDOM)
+
+
+def built_here(spec: str | None) -> bool:
+    """A model built on this machine rather than read from a folder or the hub (`tiny:`, `random:`)."""
+    return is_tiny(spec) or is_random(spec)
 
 
 def cache_root() -> Path:
@@ -74,7 +89,7 @@ class ModelRef:
 
     @property
     def on_hub(self) -> bool:
-        return not is_tiny(self.name) and not Path(self.name).expanduser().is_dir()
+        return not built_here(self.name) and not Path(self.name).expanduser().is_dir()
 
 
 _asking = threading.local()  # this thread's open `asked_models` lists
@@ -94,13 +109,16 @@ def asked_models():
 
 
 def local_model(spec: str, revision: str | None = None, weights: bool = True) -> str:
-    """The folder to load `spec` from: a `tiny:<kind>` built first if not cached, a local folder as
-    it is, a hub id fetched at `revision` (None: its default branch) into the Hugging Face cache,
-    without its weights unless `weights`."""
+    """The folder to load `spec` from: a `tiny:<kind>` or `random:<name>` built first if not
+    cached, a local folder as it is, a hub id fetched at `revision` (None: its default branch) into
+    the Hugging Face cache, without its weights unless `weights`."""
     for asked in getattr(_asking, "lists", ()):
         asked.append(spec)
     if is_tiny(spec):
         return tiny_model(spec)
+    if is_random(spec):
+        from common.random_models import random_model
+        return str(random_model(spec[len(RANDOM):], revision))
     if Path(spec).expanduser().is_dir():
         return str(Path(spec).expanduser())
     return fetch(spec, revision, weights)

@@ -56,7 +56,7 @@ class PlanError(ConfigError):
 
 
 class UnknownArchitecture(PlanError):
-    """A model of the config whose config files are not at hand (experts/memory.py `config_folder`)."""
+    """A model of the config whose config files are not at hand (common/architectures.py `config_folder`)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
-from common.hub import BUILDERS, TINY, is_tiny
+from common.hub import BUILDERS, RANDOM, TINY, is_random, is_tiny
 from driver.checkpoint import sha256
 from driver.config import ConfigError, invalid
 from driver.overrides import flat
@@ -69,10 +69,15 @@ def listed_digest(path: Path) -> str | None:
 
 def model_path(path: str) -> str:
     """A local model directory (with its config.json) or a hub id (`org/name`, fetched when loaded);
-    returns the path as it is loaded (a local one with `~` expanded); `tiny:<kind>` is built when loaded."""
+    returns the path as it is loaded (a local one with `~` expanded); `tiny:<kind>` is built when
+    loaded, and so is `random:<name>` if `<name>`'s config files are at hand."""
     if is_tiny(path):
         if path[len(TINY):] not in BUILDERS:
             raise ValueError(f"unknown tiny model '{path}'; there are {', '.join(TINY + k for k in BUILDERS)}")
+        return path
+    if is_random(path):
+        from common.architectures import config_folder
+        config_folder(path[len(RANDOM):])  # UnknownModel (a ValueError) names where it looked
         return path
     local = Path(path).expanduser()
     if local.is_dir():

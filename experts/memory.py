@@ -2,11 +2,10 @@
 is allocated.
 
 Every model is built on the meta device from its config files (a diffusers pipeline's
-model_index.json and each component's config.json, a transformers config.json). They are read
-from, in order: a local folder named by the config; the local Hugging Face cache, if it holds the
-model's config files; the copies shipped in configs/architectures/<org>/<name> (their sources in
-the README there), so the presets' real models are known without the hub; `tiny:<kind>` is built
-locally as everywhere else. Counts are of parameters and persistent buffers: what a checkpoint
+model_index.json and each component's config.json, a transformers config.json), found as
+common/architectures.py finds them: a local folder, the local Hugging Face cache, or the copies
+shipped in configs/architectures/ (so the presets' real models are known without the hub);
+`tiny:<kind>` is built locally as everywhere else, and `random:<name>` is planned as `<name>`. Counts are of parameters and persistent buffers: what a checkpoint
 holds (SD3's positional embedding is a buffer of 226 M values).
 
 Activations are measured, not fitted: one forward pass of the real module on the meta device, at
@@ -33,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,77 +43,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from common.hub import is_tiny, local_model
+from common.architectures import UnknownModel, config_folder, index_class, weighted_components
 from experts.parallel import blocks
 
-ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "architectures"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 META = torch.device("meta")
-
-
-class UnknownModel(ValueError):
-    """A model whose config files are neither in a local folder, the Hugging Face cache nor the
-    shipped architectures."""
-
-
-# --- where a model's config files are --------------------------------------------------------------
-
-
-def config_folder(path: str, revision: str | None = None) -> Path:
-    """The folder holding `path`'s config files (see the module docstring for the order)."""
-    if is_tiny(path):
-        return Path(local_model(path))
-    local = Path(path).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file() and not (local / "model_index.json").is_file():
-            raise UnknownModel(f"'{path}' is a folder without config.json or model_index.json: not a saved model")
-        return local
-    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
-        cached = hub_cache_folder(path, revision)
-        if cached is not None:
-            return cached
-        shipped = ARCHITECTURES / path
-        if shipped.is_dir():
-            return shipped
-    raise UnknownModel(f"no config files for '{path}': not a local model folder, not in the Hugging Face cache "
-                       f"and not among the architectures shipped in {ARCHITECTURES} "
-                       f"({', '.join(shipped_models())}); download it first (huggingface-cli download {path} "
-                       f"--include '*.json') or point the key at a local folder")
-
-
-def hub_cache_folder(repo: str, revision: str | None) -> Path | None:
-    """The snapshot folder of `repo` in the local Hugging Face cache, if it holds the model's
-    config files (every component's, for a pipeline); never goes to the network."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    for name in ("model_index.json", "config.json"):
-        found = try_to_load_from_cache(repo, name, revision=revision)
-        if isinstance(found, str):
-            folder = Path(found).parent
-            if name == "config.json" or all((folder / part / "config.json").is_file()
-                                            for part in weighted_components(folder)):
-                return folder
-    return None
-
-
-def shipped_models() -> list[str]:
-    return sorted(str(p.parent.relative_to(ARCHITECTURES)) for p in ARCHITECTURES.glob("*/*/*.json")
-                  if p.name in ("config.json", "model_index.json"))
-
-
-def weighted_components(folder: Path) -> dict[str, tuple[str, str]]:
-    """A pipeline's components that hold weights: name -> (library, class)."""
-    index = json.loads((folder / "model_index.json").read_text())
-    return {name: tuple(spec) for name, spec in index.items()
-            if isinstance(spec, list) and spec[0] in ("diffusers", "transformers")
-            and not name.startswith(("tokenizer", "scheduler", "processor", "feature_extractor"))}
-
-
-def index_class(folder: Path) -> str:
-    """The pipeline class a model_index.json names (its family)."""
-    return json.loads((folder / "model_index.json").read_text()).get("_class_name", "?")
 
 
 # --- models on the meta device ---------------------------------------------------------------------

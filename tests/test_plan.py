@@ -61,7 +61,8 @@ def test_parameter_counts_of_the_real_generators_are_the_published_sizes(preset,
 
 
 def test_parameter_counts_of_the_klein_4b_refiner_and_reward_models_are_the_published_sizes():
-    from experts.memory import ARCHITECTURES, config_folder, count, meta_component, reward_architecture
+    from common.architectures import ARCHITECTURES, config_folder
+    from experts.memory import count, meta_component, reward_architecture
     klein = ARCHITECTURES / "black-forest-labs" / "FLUX.2-klein-4B"
     assert abs(count(meta_component(klein / "transformer", "diffusers", "Flux2Transformer2DModel")) - 3.9e9) < 0.05e9
     from experts.memory import meta_causal_lm
