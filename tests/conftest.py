@@ -24,6 +24,17 @@ def pytest_configure(config):
     os.environ["JOINTRL_TINY_CACHE"] = tempfile.mkdtemp(prefix="jointrl-tiny-")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests: tiny models on cores shared with Ray's processes
+    (and bf16 on the CPU) run faster on one thread each than contending for both."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="jointrl",

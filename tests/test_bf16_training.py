@@ -24,14 +24,8 @@ from tests.conftest import make_config
 
 LR, STEPS, N = 2e-7, 10, 4
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """bf16 on CPU cores shared with other processes: one thread each is faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 CASES = {  # expert id, its model section
     "refiner": ("refiner_0", "{kind: hf_causal_lm, path: 'tiny:qwen2', dtype: DTYPE, answer_tag: null}"),
     "generator": ("generator", "{kind: diffusers_flow, path: 'tiny:sd3', dtype: DTYPE, max_sequence_length: 8}"),

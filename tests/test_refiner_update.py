@@ -14,14 +14,7 @@ from tests.conftest import make_config
 
 N, CLIP, BETA = 7, 0.2, 0.05
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on CPU cores shared with other processes: one thread each is faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class FullLogits:
