@@ -31,8 +31,10 @@ def caption_details(config) -> list[int]:
 
 def base_shaping(config) -> dict:
     """Everything that shapes the base generator and text encoder (`text_len`: the encoder's
-    max_sequence_length; `details`: caption_details)."""
-    return {"format": FORMAT, "vocab": VOCAB, "task": config.task.model_dump(),
+    max_sequence_length; `details`: caption_details). An image task leaves out `num_frames`, so that
+    image bases made before videos existed keep their hash."""
+    task = config.task.model_dump(exclude={"num_frames"} if config.task.num_frames is None else set())
+    return {"format": FORMAT, "vocab": VOCAB, "task": task,
             "generator": config.experts.generator.model.model_dump(),
             "text_encoder": config.experts.text_encoder.model_dump(exclude={"init", "max_sequence_length"}),
             "text_len": config.experts.text_encoder.max_sequence_length,

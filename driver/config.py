@@ -353,6 +353,9 @@ class TaskConfig(Strict):
     name: Literal["shapes", "prompts"] = Field("shapes", description="shapes: the embedded toy world; prompts: "
                                                                      "prompt datasets (task.train, task.eval)")
     image_size: PositiveInt = Field(32, description="side of the generated images in pixels")
+    num_frames: PositiveInt | None = Field(None, description="frames of each generated clip (a video task: "
+                                                             "every sample is a clip of this many frames); "
+                                                             "None: every sample is an image")
     train: str | None = Field(None, description="prompts: the training prompts, a file (.txt one per line, "
                                                 ".jsonl/.json, .csv, .parquet), a save_to_disk folder or a dataset "
                                                 "id; relative paths are read from the config file's folder if "

@@ -38,9 +38,11 @@ class TextPrompt:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
-def to_uint8(image: np.ndarray) -> np.ndarray:
-    """An image as generators make them and rewards receive them, (3, H, W) in [-1, 1], as uint8 (H, W, 3)."""
-    return np.clip((image.transpose(1, 2, 0) + 1) * 127.5, 0, 255).astype(np.uint8)
+def to_uint8(sample: np.ndarray) -> np.ndarray:
+    """A sample as generators make them and rewards receive them, an image (3, H, W) or a video
+    (F, 3, H, W) in [-1, 1], as uint8 (H, W, 3) or (F, H, W, 3)."""
+    channels_last = np.moveaxis(np.asarray(sample), -3, -1)
+    return np.clip((channels_last + 1) * 127.5, 0, 255).astype(np.uint8)
 
 
 class Task(Protocol):

@@ -9,6 +9,7 @@ batches:
     scorer(images, prompts, refinements) -> array of B floats
 
 - `images`: (B, 3, H, W) float32 in [-1, 1], as the generator decodes them (`pil_images` converts);
+  under a video task (`task.num_frames` set) each sample is a clip, (B, F, 3, H, W);
 - `prompts`: the *original* prompt records (`.text`, `.metadata`: e.g. GenEval's `include`);
 - `refinements`: per sample {refiner id: Refinement}, already narrowed to the refiners that own
   the term (all of them where nobody owns it); {} for a sample that was not refined.
