@@ -352,7 +352,11 @@ class TaskConfig(Strict):
     """The task: where training and evaluation prompts come from, and its default reward."""
     name: Literal["shapes", "prompts"] = Field("shapes", description="shapes: the embedded toy world; prompts: "
                                                                      "prompt datasets (task.train, task.eval)")
-    image_size: PositiveInt = Field(32, description="side of the generated images in pixels")
+    image_size: PositiveInt = Field(32, description="side of the generated images in pixels (their height where "
+                                                    "task.image_width is set)")
+    image_width: PositiveInt | None = Field(None, description="width of each image or frame in pixels where it "
+                                                              "differs from its height (task.image_size); a video "
+                                                              "generator's only (Wan: 416 x 240); None: square")
     num_frames: PositiveInt | None = Field(None, description="frames of each generated clip (a video task: "
                                                              "every sample is a clip of this many frames); "
                                                              "None: every sample is an image")

@@ -11,9 +11,9 @@ module is the only place that knows the family, and defines two classes:
   cache (`condition(prompts, refinements, drop)` -> the `cond` the velocity reads, `take_stats()`,
   `version`), the flow's space (`latent_shape`, `sigmas(steps)` from 1 down to 0, shifted as the
   family's pipeline shifts them) and the way back to pixels (`decode(latents)` -> (B, 3, H, W) in
-  [-1, 1]).
+  [-1, 1], or (B, F, 3, H, W) for a video family's clips).
 
-The flow runs on the unpacked latent grid (C, H, W) for every family: a family that packs latents
+The flow runs on the unpacked latent grid (C, H, W) for every family, (C, F', H', W') for video: a family that packs latents
 into tokens (FLUX) packs and unpacks inside its velocity, a bijective reshape, so the SDE, its
 log-probs and the trajectories are the same objects for every family.
 """
@@ -26,7 +26,9 @@ FAMILIES = {  # a pipeline's class name -> the module that serves it
     "FluxPipeline": "experts.flux1",
     "Flux2KleinPipeline": "experts.flux2",
     "QwenImagePipeline": "experts.qwen_image",
+    "WanPipeline": "experts.wan",
 }
+VIDEO = {"WanPipeline"}  # the families whose samples are clips (task.num_frames set), the others' images
 
 
 def pipeline_class(path: str) -> str:

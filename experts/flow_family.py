@@ -42,16 +42,23 @@ class FamilyVelocity(nn.Module):
         m = spec.model
         self.spec = m
         self.path = local_model(m.path, m.revision)
-        self.transformer = component(self.path, load_index(self.path), "transformer", DTYPES[m.dtype], device)
+        self.index = load_index(self.path)
+        self.transformer = self.trained_component("transformer", seed, device)
+
+    def trained_component(self, name: str, seed: int, device: torch.device) -> nn.Module:
+        """The pipeline's transformer `name` in the model's dtype, with the LoRA adapter where one is set."""
+        m = self.spec
+        transformer = component(self.path, self.index, name, DTYPES[m.dtype], device)
         if m.lora:
             from peft import LoraConfig
             torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built
-            self.transformer.add_adapter(LoraConfig(r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
-                                                    target_modules=m.lora.target_modules or self.LORA_TARGETS,
-                                                    init_lora_weights=True))
-            for param in self.transformer.parameters():  # add_adapter casts the adapter to the model's dtype:
-                if param.requires_grad:                  # it trains in fp32 (as Flow-GRPO's), on a bf16 base too
+            transformer.add_adapter(LoraConfig(r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
+                                               target_modules=m.lora.target_modules or self.LORA_TARGETS,
+                                               init_lora_weights=True))
+            for param in transformer.parameters():  # add_adapter casts the adapter to the model's dtype:
+                if param.requires_grad:             # it trains in fp32 (as Flow-GRPO's), on a bf16 base too
                     param.data = param.data.float()
+        return transformer
 
     @property
     def lora(self) -> bool:

@@ -33,8 +33,9 @@ class TinyDiTConfig(Strict):
 
 
 class DiffusersFlowConfig(Strict):
-    """A diffusers flow-matching pipeline of a supported family (SD3, FLUX.1, FLUX.2 klein, Qwen-Image:
-    experts/families.py), chosen by its model_index.json; images are task.image_size on a side."""
+    """A diffusers flow-matching pipeline of a supported family (SD3, FLUX.1, FLUX.2 klein, Qwen-Image,
+    Wan: experts/families.py), chosen by its model_index.json; images are task.image_size on a side,
+    a video model's clips task.num_frames frames of task.image_size x task.image_width."""
     kind: Literal["diffusers_flow"] = Field(description="a diffusers flow-matching pipeline, its family read "
                                                         "from its model_index.json (needs diffusers, "
                                                         "transformers and peft)")
@@ -48,6 +49,9 @@ class DiffusersFlowConfig(Strict):
     guidance_scale: float = Field(1.0, ge=1.0, description="> 1: true classifier-free guidance against the empty "
                                                            "prompt (SD3's and FLUX.2 klein's guidance_scale, "
                                                            "FLUX.1's and Qwen-Image's true_cfg_scale); 1: none")
+    guidance_scale_2: float | None = Field(None, ge=1.0, description="Wan2.2-A14B: the guidance of its low-noise "
+                                                                     "transformer (the pipeline's guidance_scale_2); "
+                                                                     "None: guidance_scale")
     embedded_guidance: PositiveFloat = Field(3.5, description="the guidance a guidance-distilled transformer reads "
                                                               "through its guidance embedding (FLUX.1-dev's "
                                                               "guidance_scale); unused by models without one")

@@ -1,0 +1,171 @@
+"""The Wan family (`WanPipeline`: Wan2.1-T2V 1.3B and 14B, Wan2.2-T2V-A14B, Wan2.2-TI2V-5B text to
+video): a 3D-patch DiT on the Wan VAE's latent video (C, F', H', W'), F' = (F - 1) / 4 + 1 latent
+frames of H / s x W / s cells (s = 8, 16 for Wan2.2's VAE), read by a UMT5 text encoder.
+
+As diffusers' pipeline: prompts cleaned (ftfy where installed, HTML unescaped, whitespace squeezed),
+UMT5's last hidden states cut at each prompt's length and zero-padded to max_sequence_length;
+timestep = sigma * num_train_timesteps in float32, one per sample, or one per latent token
+(F' x H'/2 x W'/2, every one the same) where the pipeline's `expand_timesteps` is set (TI2V-5B);
+guidance against the empty prompt; latents decoded as z * latents_std + latents_mean per channel.
+Wan2.2-A14B holds two transformers: `transformer` (high noise) denoises the steps whose timestep is
+at least boundary_ratio x num_train_timesteps, `transformer_2` (low noise) the others, each with its
+own guidance scale (`guidance_scale`, `guidance_scale_2`); both are trained here, as one expert.
+
+Sigmas: the Wan checkpoints ship a UniPC multistep scheduler; jointrl's sampler is the Euler step of
+the flow (Flow-GRPO's SDE, whose ODE limit is Euler's), so the sigmas are those of diffusers'
+FlowMatchEulerDiscreteScheduler with the checkpoint's shift (UniPC's `flow_shift`, 3.0 for the T2V
+models at 480p) and its num_train_timesteps: what WanPipeline samples when given that scheduler.
+
+A clip decodes to (B, F, 3, H, W) in [-1, 1], frames first, the video contract of a sample.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from common.loading import component
+from experts.flow_family import FamilyFrontEnd, FamilyVelocity, split_negative
+
+HIGH, LOW = "transformer", "transformer_2"
+
+
+def frame_counts(temporal: int, up_to: int = 81) -> list[int]:
+    """The frame counts a Wan VAE of temporal compression `temporal` takes: k * temporal + 1."""
+    return list(range(1, up_to + 1, temporal))
+
+
+def latent_frames(num_frames: int, temporal: int) -> int:
+    """F' of F frames; ValueError naming task.num_frames where the VAE cannot take F."""
+    if (num_frames - 1) % temporal:
+        valid = frame_counts(temporal)
+        below = max(v for v in valid if v < num_frames) if num_frames > 1 else None
+        raise ValueError(f"task.num_frames={num_frames}: the Wan VAE takes {temporal}k+1 frames "
+                         f"({', '.join(map(str, valid[1:6]))}, ..., 81){f'; nearest {below} or {below + temporal}' if below else ''}")
+    return (num_frames - 1) // temporal + 1
+
+
+class Velocity(FamilyVelocity):
+    # Flow-GRPO's Wan LoRA targets: the self- and cross-attention projections of every block
+    LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+    def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu")):
+        super().__init__(spec, seed, device)
+        index = self.index
+        self.expand_timesteps = bool(index.get("expand_timesteps"))
+        self.num_train_timesteps = component(self.path, index, "scheduler").config.num_train_timesteps
+        boundary = index.get("boundary_ratio")
+        has_low = (index.get(LOW) or [None, None])[1] is not None
+        self.boundary = boundary * self.num_train_timesteps if boundary is not None and has_low else None
+        if self.boundary is not None:
+            self.transformer_2 = self.trained_component(LOW, seed + 1, device)
+        elif spec.model.guidance_scale_2 is not None:
+            raise ValueError(f"experts.generator.model.guidance_scale_2 is the low-noise transformer's guidance; "
+                             f"{spec.model.path} has none (no transformer_2 and boundary_ratio)")
+
+    def transformers(self) -> list:
+        return [self.transformer, *([self.transformer_2] if self.boundary is not None else [])]
+
+    def timestep(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """The pipeline's timestep: sigma * num_train_timesteps in float32, per sample or per latent token."""
+        t = sigma.float() * self.num_train_timesteps
+        if not self.expand_timesteps:
+            return t
+        _, _, frames, height, width = x.shape
+        p = self.transformer.config.patch_size
+        return t[:, None].expand(-1, (frames // p[0]) * (height // p[1]) * (width // p[2]))
+
+    def velocity(self, x, sigma, cond, transformer=None) -> torch.Tensor:
+        transformer = transformer or self.transformer
+        dtype = transformer.dtype
+        return transformer(hidden_states=x.to(dtype), timestep=self.timestep(x, sigma),
+                           encoder_hidden_states=cond["prompt_embeds"].to(dtype)).sample.float()
+
+    def forward(self, x, sigma, **cond) -> torch.Tensor:
+        """v(x, sigma | text); under Wan2.2-A14B each row by the transformer of its noise level, with
+        that transformer's guidance (rows of both levels may share a batch in the update)."""
+        if self.boundary is None:
+            return super().forward(x, sigma, **cond)
+        high = sigma.float() * self.num_train_timesteps >= self.boundary  # the pipeline's t >= boundary_timestep
+        out = torch.empty_like(x, dtype=torch.float32)
+        low_scale = self.spec.guidance_scale_2 if self.spec.guidance_scale_2 is not None else self.spec.guidance_scale
+        for rows, transformer, scale in ((high, self.transformer, self.spec.guidance_scale),
+                                         (~high, self.transformer_2, low_scale)):
+            if rows.any():
+                out[rows] = self.guided(transformer, scale, x[rows], sigma[rows],
+                                        {k: (v if k.startswith("negative_") else v[rows]) for k, v in cond.items()})
+        return out
+
+    def guided(self, transformer, scale: float, x, sigma, cond) -> torch.Tensor:
+        """One transformer's velocity, guided with `scale` against the empty prompt when `cond` holds it."""
+        positive, negative = split_negative(cond)
+        if not negative or scale == 1.0:
+            return self.velocity(x, sigma, positive, transformer)
+        shared = {k: v.expand(len(x), *v.shape[1:]) for k, v in negative.items()}
+        both = self.velocity(torch.cat([x, x]), torch.cat([sigma, sigma]), self.merge_conditions([shared, positive]),
+                             transformer)
+        uncond, conditional = both.chunk(2)
+        return uncond + scale * (conditional - uncond)
+
+    @contextlib.contextmanager
+    def adapter_disabled(self):
+        """Both transformers as their frozen bases (LoRA): the reference, without a copy."""
+        for transformer in self.transformers():
+            transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            for transformer in self.transformers():
+                transformer.enable_adapters()
+
+
+class FrontEnd(FamilyFrontEnd):
+    COMPONENTS = ("scheduler", "vae", "text_encoder", "tokenizer")
+
+    def __init__(self, config, device: torch.device):
+        from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+        super().__init__(config, device)
+        self.pipeline = WanPipeline(transformer=None, transformer_2=None, **self.parts)
+        c = self.scheduler.config
+        # the Euler scheduler of the checkpoint's shift (a UniPC config names it flow_shift)
+        self.euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=c.num_train_timesteps,
+                                                     shift=c.get("flow_shift", c.get("shift", 1.0)))
+
+    def latent_grid(self, image_size: int) -> tuple[int, ...]:
+        """(C, F', H', W') of clips of task.num_frames frames, task.image_size high and task.image_width
+        (else image_size) wide; every Wan transformer reads 2x2 patches of latent cells (patch_size
+        (1, 2, 2)), so each side is a multiple of twice the VAE's spatial compression."""
+        task, c = self.config.task, self.vae.config
+        if task.num_frames is None:
+            raise ValueError(f"task.num_frames is not set: experts.generator.model.path={self.spec.path} is a video "
+                             f"model; set task.num_frames (4k+1: 33, 81, ...)")
+        frames = latent_frames(task.num_frames, c.scale_factor_temporal)
+        multiple = 2 * c.scale_factor_spatial
+        height, width = task.image_size, task.image_width or task.image_size
+        for key, side in (("task.image_size", height), ("task.image_width", width)):
+            if side % multiple:
+                raise ValueError(f"{key}={side} is not a multiple of {multiple}, the pixels per latent patch of "
+                                 f"experts.generator.model.path={self.spec.path}")
+        return c.z_dim, frames, height // c.scale_factor_spatial, width // c.scale_factor_spatial
+
+    def encode_texts(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, _ = self.pipeline.encode_prompt(prompt=texts, do_classifier_free_guidance=False, device=self.device,
+                                                max_sequence_length=self.spec.max_sequence_length)
+        return {"prompt_embeds": embeds}
+
+    def sigmas(self, steps: int) -> torch.Tensor:
+        self.euler.set_timesteps(steps)
+        return self.euler.sigmas.float().clone()
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE's latents of latents on the flow's grid: the per-channel normalisation undone."""
+        c = self.vae.config
+        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        return latents / inverse_std + mean  # as the pipeline computes it (the same roundings in bf16)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Clips (B, F, 3, H, W) in [-1, 1]."""
+        video = self.vae.decode(self.vae_latents(latents.to(self.vae.dtype))).sample  # (B, 3, F, H, W)
+        return video.float().clamp(-1, 1).permute(0, 2, 1, 3, 4)
