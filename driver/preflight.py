@@ -18,7 +18,7 @@ from common.hub import BUILDERS, RANDOM, TINY, is_random, is_tiny
 from driver.checkpoint import sha256
 from driver.config import ConfigError, invalid
 from driver.overrides import flat
-from experts.families import FAMILIES
+from experts.families import FAMILIES, VIDEO
 
 if TYPE_CHECKING:
     from driver.config import Config
@@ -99,6 +99,39 @@ def generator_family(path: str) -> None:
             raise ValueError(f"'{path}' holds a {found}; the generator families supported are {', '.join(FAMILIES)}")
 
 
+def sample_problems(config: Config) -> list[str]:
+    """The generator makes the task's samples: a video family (experts/families.py VIDEO) clips of
+    task.num_frames frames its VAE takes, of sides its latent patches divide; an image family square
+    images (task.num_frames and task.image_width unset). A hub model whose config files are not at
+    hand is checked when it loads."""
+    from common.architectures import config_folder, index_class
+    m, task = config.experts.generator.model, config.task
+    if m.kind != "diffusers_flow":
+        return []
+    try:
+        folder = config_folder(m.path, m.revision)
+        family = index_class(folder)
+    except (ValueError, OSError):
+        return []
+    if family in VIDEO:
+        from experts.wan import check_clip
+        vae = json.loads((folder / "vae" / "config.json").read_text())
+        try:
+            check_clip(task, vae.get("scale_factor_temporal", 4), vae.get("scale_factor_spatial", 8), m.path)
+        except ValueError as e:
+            return [str(e)]
+        return []
+    image = f"experts.generator.model.path={m.path} is an image model ({family})"
+    problems = []
+    if task.num_frames is not None:
+        problems.append(f"task.num_frames={task.num_frames}: {image}; unset task.num_frames (null) or name a video "
+                        f"model ({', '.join(sorted(VIDEO))})")
+    if task.image_width not in (None, task.image_size):
+        problems.append(f"task.image_width={task.image_width}: {image}, whose images are square "
+                        f"(task.image_size={task.image_size}); unset task.image_width")
+    return problems
+
+
 def missing(*modules: str) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
@@ -127,6 +160,8 @@ def preflight(config: Config, download: str = "jointrl download --config <your c
                 spec.model.path = path
                 if spec.model.kind == "diffusers_flow":
                     check(f"{key}.model.path", generator_family, path)
+    if not problems:
+        problems += sample_problems(config)
     if config.experts.text_encoder.init is not None:
         check("experts.text_encoder.init", weights_file, config.experts.text_encoder.init)
     for name, term in config.reward.terms.items():

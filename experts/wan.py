@@ -35,14 +35,27 @@ def frame_counts(temporal: int, up_to: int = 81) -> list[int]:
     return list(range(1, up_to + 1, temporal))
 
 
-def latent_frames(num_frames: int, temporal: int) -> int:
-    """F' of F frames; ValueError naming task.num_frames where the VAE cannot take F."""
-    if (num_frames - 1) % temporal:
-        valid = frame_counts(temporal)
-        below = max(v for v in valid if v < num_frames) if num_frames > 1 else None
-        raise ValueError(f"task.num_frames={num_frames}: the Wan VAE takes {temporal}k+1 frames "
-                         f"({', '.join(map(str, valid[1:6]))}, ..., 81){f'; nearest {below} or {below + temporal}' if below else ''}")
-    return (num_frames - 1) // temporal + 1
+def check_clip(task, temporal: int, spatial: int, path: str) -> tuple[int, int, int]:
+    """(F', H', W') of the task's clips (task.num_frames frames of task.image_size x task.image_width)
+    for a Wan VAE of `temporal` and `spatial` compression; ValueError naming the key a Wan model at
+    `path` cannot take. Every Wan transformer reads 2x2 patches of latent cells (patch_size
+    (1, 2, 2)), so each side is a multiple of twice the spatial compression."""
+    n = task.num_frames
+    if n is None:
+        raise ValueError(f"task.num_frames is not set, but experts.generator.model.path={path} is a video model "
+                         f"(WanPipeline): set task.num_frames to {temporal}k+1 frames (e.g. 33 or 81)")
+    if (n - 1) % temporal:
+        below = n - (n - 1) % temporal
+        raise ValueError(f"task.num_frames={n}: the Wan VAE of experts.generator.model.path={path} takes "
+                         f"{temporal}k+1 frames ({', '.join(map(str, frame_counts(temporal)[1:6]))}, ..., 81); "
+                         f"nearest {below} or {below + temporal}")
+    multiple = 2 * spatial
+    height, width = task.image_size, task.image_width or task.image_size
+    for key, side in (("task.image_size", height), ("task.image_width", width)):
+        if side % multiple:
+            raise ValueError(f"{key}={side} is not a multiple of {multiple}, the pixels per latent patch of "
+                             f"experts.generator.model.path={path}")
+    return (n - 1) // temporal + 1, height // spatial, width // spatial
 
 
 class Velocity(FamilyVelocity):
@@ -133,20 +146,9 @@ class FrontEnd(FamilyFrontEnd):
 
     def latent_grid(self, image_size: int) -> tuple[int, ...]:
         """(C, F', H', W') of clips of task.num_frames frames, task.image_size high and task.image_width
-        (else image_size) wide; every Wan transformer reads 2x2 patches of latent cells (patch_size
-        (1, 2, 2)), so each side is a multiple of twice the VAE's spatial compression."""
-        task, c = self.config.task, self.vae.config
-        if task.num_frames is None:
-            raise ValueError(f"task.num_frames is not set: experts.generator.model.path={self.spec.path} is a video "
-                             f"model; set task.num_frames (4k+1: 33, 81, ...)")
-        frames = latent_frames(task.num_frames, c.scale_factor_temporal)
-        multiple = 2 * c.scale_factor_spatial
-        height, width = task.image_size, task.image_width or task.image_size
-        for key, side in (("task.image_size", height), ("task.image_width", width)):
-            if side % multiple:
-                raise ValueError(f"{key}={side} is not a multiple of {multiple}, the pixels per latent patch of "
-                                 f"experts.generator.model.path={self.spec.path}")
-        return c.z_dim, frames, height // c.scale_factor_spatial, width // c.scale_factor_spatial
+        (else image_size) wide."""
+        c = self.vae.config
+        return (c.z_dim, *check_clip(self.config.task, c.scale_factor_temporal, c.scale_factor_spatial, self.spec.path))
 
     def encode_texts(self, texts: list[str]) -> dict[str, torch.Tensor]:
         embeds, _ = self.pipeline.encode_prompt(prompt=texts, do_classifier_free_guidance=False, device=self.device,

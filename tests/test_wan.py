@@ -169,3 +169,24 @@ def test_the_update_on_video_latents_reaches_both_transformers():
     grads = {t: sum(float(p.grad.abs().sum()) for n, p in velocity.named_parameters()
                     if n.startswith(f"{t}.") and p.grad is not None) for t in ("transformer", "transformer_2")}
     assert all(g > 0 for g in grads.values()), grads
+
+
+@pytest.mark.parametrize("sets, named", [
+    (["experts.generator.model={kind: diffusers_flow, path: 'tiny:wan2.1'}", "task.num_frames=6"],
+     ["task.num_frames=6", "4k+1", "5, 9, 13", "nearest 5 or 9"]),
+    (["experts.generator.model={kind: diffusers_flow, path: 'tiny:wan2.1'}"], ["task.num_frames is not set", "4k+1"]),
+    (["experts.generator.model={kind: diffusers_flow, path: 'tiny:wan2.2_ti2v'}", "task.num_frames=5",
+      "task.image_width=48"], ["task.image_width=48", "multiple of 32"]),
+    (["experts.generator.model={kind: diffusers_flow, path: 'tiny:sd3'}", "task.num_frames=5"],
+     ["task.num_frames=5", "image model (StableDiffusion3Pipeline)", "WanPipeline"]),
+    (["experts.generator.model={kind: diffusers_flow, path: 'tiny:sd3'}", "task.image_width=64"],
+     ["task.image_width=64", "square"]),
+    (["task.image_width=64"], ["task.image_width=64", "square"]),
+])
+def test_a_clip_the_generator_cannot_make_exits_2_naming_the_key(sets, named, monkeypatch, tmp_path, capsys):
+    import driver.cli as cli
+    monkeypatch.setattr(cli, "train", lambda *_: pytest.fail("training started for a bad config"))
+    args = [a for s in sets for a in ("--set", s)]
+    assert cli.main(["train", "--config", "shapes-tiny", *args, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in named), err
