@@ -204,7 +204,7 @@ def generator_expert(config: Config, rank: int) -> ActorPlan:
     share = math.ceil(samples / ranks)
     if m.kind == "tiny_dit":
         return tiny_generator_expert(config, name, share)
-    arch = generator_architecture(m, config.task.image_size)
+    arch = generator_architecture(m, config.task.image_size, config.task.image_width, config.task.num_frames)
     width = DTYPE_BYTES[m.dtype]
     trained, frozen = (arch.lora, arch.transformer) if m.lora else (arch.transformer, arch.transformer)
     parts = training_state(trained, frozen, m.dtype, ranks, fsdp, bool(m.lora)) if spec.train \
@@ -333,7 +333,7 @@ def rollout_worker(config: Config, j: int) -> ActorPlan:
         working[f"refine: {eid}"] = chunk * (seq * (arch.kv_per_token + arch.working_set_per_token) + arch.vocab * 4 * 2)
     m = spec.model
     if m.kind == "diffusers_flow":
-        arch = generator_architecture(m, config.task.image_size)
+        arch = generator_architecture(m, config.task.image_size, config.task.image_width, config.task.num_frames)
         width = DTYPE_BYTES[m.dtype]
         params["generator"] = arch.transformer
         parts["weights: generator"] = arch.transformer * width + arch.lora * 4

@@ -314,6 +314,9 @@ CONDITIONING = {
     "QwenImagePipeline": lambda c, m: ({"prompt_embeds": ((m.max_sequence_length, c["joint_attention_dim"]), None),
                                         "prompt_embeds_mask": ((m.max_sequence_length,), torch.bool)},
                                        m.max_sequence_length),
+    # Wan: UMT5's last hidden states, zero-padded to max_sequence_length
+    "WanPipeline": lambda c, m: ({"prompt_embeds": ((m.max_sequence_length, c["text_dim"]), None)},
+                                 m.max_sequence_length),
 }
 
 
@@ -322,7 +325,8 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=32)
-def _generator(path: str, revision: str | None, model_json: str, image_size: int) -> GeneratorArchitecture:
+def _generator(path: str, revision: str | None, model_json: str, image_size: int, image_width: int | None,
+               num_frames: int | None) -> GeneratorArchitecture:
     from experts.families import FAMILIES
     from experts.generator import DiffusersFlowConfig
     m = DiffusersFlowConfig.model_validate_json(model_json)
@@ -334,18 +338,21 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
     parts = weighted_components(folder)
     built = {name: meta_component(folder / name, *spec) for name, spec in parts.items()}
     transformer = built.pop("transformer")
+    trained = [transformer, *([built.pop("transformer_2")] if "transformer_2" in built else [])]  # Wan2.2-A14B: both
     dtype = dtype_of(m.dtype)
-    in_dtype(transformer, dtype)
-    size = count(transformer)
-    largest = max((count(b) for b in blocks(transformer)), default=size)
-    lora = add_lora(transformer, m.lora, module.Velocity.LORA_TARGETS) if m.lora else 0
+    for t in trained:
+        in_dtype(t, dtype)
+    size = sum(count(t) for t in trained)
+    largest = max((count(b) for b in blocks(transformer)), default=count(transformer))
+    lora = sum(add_lora(t, m.lora, module.Velocity.LORA_TARGETS) for t in trained) if m.lora else 0
     if not m.lora:
         transformer.requires_grad_(True)
     velocity = module.Velocity.__new__(module.Velocity)  # the family's own forward, on the meta transformer
     nn.Module.__init__(velocity)
     velocity.transformer, velocity.spec = transformer, m
     frontend = module.FrontEnd.__new__(module.FrontEnd)  # the family's own latent grid, from its meta VAE
-    frontend.config = SimpleNamespace(task=SimpleNamespace(image_size=image_size))
+    frontend.config = SimpleNamespace(task=SimpleNamespace(image_size=image_size, image_width=image_width,
+                                                           num_frames=num_frames))
     frontend.spec, frontend.vae = m, built["vae"]
     latent_shape = tuple(frontend.latent_grid(image_size))
     shapes, text_tokens = CONDITIONING[family](dict(transformer.config), m)
@@ -366,16 +373,20 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
 
 
 def transformer_image_tokens(family: str, latent_shape: tuple[int, ...]) -> int:
-    """Image tokens the transformer reads: the latent grid's cells, after its 2x2 packing or patching."""
-    _, h, w = latent_shape
+    """Image tokens the transformer reads: the latent grid's cells, after its 2x2 packing or patching
+    (of each latent frame, for video)."""
+    *_, h, w = latent_shape
+    frames = latent_shape[1] if len(latent_shape) == 4 else 1
     if family == "Flux2KleinPipeline":
         return h * w  # each cell of the patchified grid is a token
-    return (h // 2) * (w // 2)  # SD3's 2x2 patches, FLUX.1's and Qwen-Image's 2x2 packing
+    return frames * (h // 2) * (w // 2)  # SD3's 2x2 patches, FLUX.1's and Qwen-Image's 2x2 packing, Wan's (1, 2, 2)
 
 
-def generator_architecture(model, image_size: int) -> GeneratorArchitecture:
-    """`model` (a DiffusersFlowConfig section) measured at images `image_size` on a side."""
-    return _generator(model.path, model.revision, model.model_dump_json(), image_size)
+def generator_architecture(model, image_size: int, image_width: int | None = None,
+                           num_frames: int | None = None) -> GeneratorArchitecture:
+    """`model` (a DiffusersFlowConfig section) measured at images `image_size` on a side (`image_size`
+    high and `image_width` wide where set), or at clips of `num_frames` such frames."""
+    return _generator(model.path, model.revision, model.model_dump_json(), image_size, image_width, num_frames)
 
 
 # --- causal LMs (refiners) ----------------------------------------------------------------------------

@@ -61,6 +61,8 @@ def check_clip(task, temporal: int, spatial: int, path: str) -> tuple[int, int, 
 class Velocity(FamilyVelocity):
     # Flow-GRPO's Wan LoRA targets: the self- and cross-attention projections of every block
     LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+    # what a velocity built without __init__ (the memory plan's, on the meta device) reads
+    expand_timesteps, num_train_timesteps, boundary = False, 1000, None
 
     def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu")):
         super().__init__(spec, seed, device)

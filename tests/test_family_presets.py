@@ -30,6 +30,14 @@ PUBLISHED = {  # preset -> dotted key -> value (Flow-GRPO config/grpo.py; Prompt
                     "experts.generator.kl_form": "flow_grpo", "experts.generator.model.lora": None,
                     "algorithm.group_size": 8, "algorithm.num_skip_refinement": 2, "task.image_size": 1024,
                     "experts.refiners.0.lr": 1e-6, "experts.refiners.0.kl_beta": 0.01},
+    "wan2.1-1.3b": {"experts.generator.model.path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "task.num_frames": 33,
+                    "task.image_size": 240, "task.image_width": 416, "experts.generator.sample_steps": 20,
+                    "experts.generator.model.guidance_scale": 4.5, "experts.generator.kl_beta": 0.004,
+                    "experts.generator.lr": 1e-4, "experts.generator.clip_eps": 1e-3, "algorithm.group_size": 4,
+                    "experts.generator.train_final_step": False, "experts.generator.model.lora.r": 32,
+                    "experts.generator.model.lora.alpha": 64, "experts.generator.model.max_sequence_length": 512},
+    "wan-promptrl": {"experts.generator.model.path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "experts.n_refiners": 1,
+                     "algorithm.group_size": 8, "algorithm.num_skip_refinement": 2, "task.num_frames": 81},
 }
 
 
@@ -48,7 +56,7 @@ def test_a_family_preset_holds_its_peers_published_values(preset):
 
 
 def test_every_preset_claiming_flow_grpo_uses_its_kl_form():
-    for preset in ("gpu", "geneval", "pickscore", "ocr", "sd3", "flux1", "qwen-image", "flux2-klein"):
+    for preset in ("gpu", "geneval", "pickscore", "ocr", "sd3", "flux1", "qwen-image", "flux2-klein", "wan2.1-1.3b"):
         assert resolve_config(preset).experts.generator.kl_form == "flow_grpo", preset
 
 

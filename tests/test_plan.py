@@ -13,7 +13,8 @@ from driver import cli
 from driver.config import resolve_config
 from driver.plan import PlanError, config_target, plan_for
 
-GPU_PRESETS = ["gpu", "sd3", "flux1", "flux2-klein", "qwen-image", "geneval", "pickscore", "ocr"]
+GPU_PRESETS = ["gpu", "sd3", "flux1", "flux2-klein", "qwen-image", "geneval", "pickscore", "ocr", "wan2.1-1.3b",
+               "wan2.2-5b", "wan-promptrl"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,17 +46,20 @@ def test_every_gpu_preset_fits_its_target_on_whole_gpus(preset):
 
 # published sizes: FLUX.1-dev 12 B (model card; 11.9 B counted by diffusers), Qwen-Image 20 B (model card;
 # 20.4 B), SD3.5 medium 2.5 B (model card), FLUX.2 klein 4 B and 9 B (model cards), Qwen2.5-0.5B 0.49 B,
-# Qwen3-8B 8.2 B, Qwen2.5-VL-7B 8.3 B, CLIP ViT-L/14 428 M, TrOCR-base 334 M (each model card / paper)
+# Qwen3-8B 8.2 B, Qwen2.5-VL-7B 8.3 B, CLIP ViT-L/14 428 M, TrOCR-base 334 M (each model card / paper), Wan2.2
+# TI2V-5B 5 B (model card), Wan2.1-T2V-1.3B 1.42 B (named 1.3B; the Wan report's 1.3B model, dim 1536 x 30 layers)
 PUBLISHED = [("flux1", "transformer", 11.9e9, 0.01), ("qwen-image", "transformer", 20.4e9, 0.01),
              ("sd3", "transformer", 2.5e9, 0.02), ("flux2-klein", "transformer", 9.0e9, 0.02),
-             ("flux2-klein", "text_encoder", 8.2e9, 0.01), ("qwen-image", "text_encoder", 8.3e9, 0.01)]
+             ("flux2-klein", "text_encoder", 8.2e9, 0.01), ("qwen-image", "text_encoder", 8.3e9, 0.01),
+             ("wan2.2-5b", "transformer", 5.0e9, 0.01), ("wan2.1-1.3b", "transformer", 1.42e9, 0.01)]
 
 
 @pytest.mark.parametrize("preset, part, size, tolerance", PUBLISHED)
 def test_parameter_counts_of_the_real_generators_are_the_published_sizes(preset, part, size, tolerance):
     from experts.memory import generator_architecture
     config = resolve_config(preset)
-    arch = generator_architecture(config.experts.generator.model, config.task.image_size)
+    arch = generator_architecture(config.experts.generator.model, config.task.image_size, config.task.image_width,
+                                  config.task.num_frames)
     counted = arch.transformer if part == "transformer" else arch.frontend[part]
     assert abs(counted - size) <= tolerance * size, counted
 
