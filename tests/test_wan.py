@@ -17,6 +17,7 @@ normalised latents jointrl's flow runs on; its negative prompt is the empty one.
 """
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,3 +191,43 @@ def test_a_clip_the_generator_cannot_make_exits_2_naming_the_key(sets, named, mo
     assert cli.main(["train", "--config", "shapes-tiny", *args, "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert all(n in err for n in named), err
+
+
+def clip_brightness(images, prompts, refinements):
+    """A reward on clips for the rollout below: each clip's mean brightness; it refuses anything but a
+    batch of this file's clips (B, F, 3, H, W)."""
+    images = np.asarray(images)
+    if images.shape[1:] != (FRAMES, 3, HEIGHT, WIDTH):
+        raise ValueError(f"not a batch of clips: {images.shape}")
+    return images.mean(axis=(1, 2, 3, 4))
+
+
+def test_a_wan_generator_rolls_out_clips_and_learns_from_them():
+    """A rollout worker and the generator expert in-process, tiny:wan2.1: the reward receives clips
+    (B, F, 3, H, W), the trajectories hold the latent video (B, S, C, F', H', W'), and an update from
+    them moves the LoRA adapter, whose new version the worker serves."""
+    from algorithm.batch import Sample
+    from cluster.expert_actor import ExpertActor
+    from cluster.rollout_worker import RolloutWorker
+    from tasks.shapes import prompt_set
+    from tests.conftest import make_config
+    cfg = make_config(f"experts.generator.model={{kind: diffusers_flow, path: 'tiny:wan2.1', max_sequence_length: 16, "
+                      f"lora: {{r: 4, alpha: 8}}}}", *CLIP, "experts.n_refiners=1",
+                      "reward.terms={clip: {fn: 'tests.test_wan:clip_brightness'}}", "experts.generator.lr=0.01",
+                      "experts.generator.sample_steps=2", preset="shapes-tiny")
+    worker = RolloutWorker(cfg, 0)
+    experts = {e: ExpertActor(cfg, e) for e in cfg.experts.ids()}
+    for e, actor in experts.items():
+        worker.load_weights(e, 0, actor.weights())
+    items = [Sample(k, 0, prompt_set(1, seed=0)[0], k < 3) for k in range(4)]
+    meta, traj, _ = worker.run(0, items)
+    assert meta.valid.all() and np.isfinite(meta.terms["clip"]).all(), meta.faults
+    assert traj.states.shape[0] == len(items) and traj.states.shape[2:] == (16, 2, HEIGHT // 8, WIDTH // 8)
+    generator = experts["generator"]
+    before = {k: np.array(v, copy=True) for k, v in generator.weights().items()}
+    stats = generator.update(0, 0, np.linspace(-1, 1, len(items)), traj)
+    assert stats["version"] == 1 and np.isfinite(stats["loss"])
+    after = generator.weights()
+    assert any(not np.array_equal(before[k], after[k]) for k in before if "lora_B" in k)
+    worker.load_weights("generator", 1, after)
+    assert worker.run(1, items).meta.versions[0]["generator"] == 1
