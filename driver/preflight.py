@@ -102,8 +102,8 @@ def generator_family(path: str) -> None:
 def sample_problems(config: Config) -> list[str]:
     """The generator makes the task's samples: a video family (experts/families.py VIDEO) clips of
     task.num_frames frames its VAE takes, of sides its latent patches divide; an image family square
-    images (task.num_frames and task.image_width unset). A hub model whose config files are not at
-    hand is checked when it loads."""
+    images (task.num_frames and task.image_width unset); guidance_scale_2 only for a model with a
+    low-noise transformer. A hub model whose config files are not at hand is checked when it loads."""
     from common.architectures import config_folder, index_class
     m, task = config.experts.generator.model, config.task
     if m.kind != "diffusers_flow":
@@ -113,16 +113,21 @@ def sample_problems(config: Config) -> list[str]:
         family = index_class(folder)
     except (ValueError, OSError):
         return []
+    index = json.loads((folder / "model_index.json").read_text())
+    low = index.get("boundary_ratio") is not None and (index.get("transformer_2") or [None, None])[1] is not None
+    problems = [] if m.guidance_scale_2 is None or low else [
+        f"experts.generator.model.guidance_scale_2={m.guidance_scale_2}: the low-noise transformer's guidance, "
+        f"but {m.path} ({family}) has no low-noise transformer (transformer_2 with a boundary_ratio, as "
+        f"Wan2.2-T2V-A14B); unset it"]
     if family in VIDEO:
         from experts.wan import check_clip
         vae = json.loads((folder / "vae" / "config.json").read_text())
         try:
             check_clip(task, vae.get("scale_factor_temporal", 4), vae.get("scale_factor_spatial", 8), m.path)
         except ValueError as e:
-            return [str(e)]
-        return []
+            problems.append(str(e))
+        return problems
     image = f"experts.generator.model.path={m.path} is an image model ({family})"
-    problems = []
     if task.num_frames is not None:
         problems.append(f"task.num_frames={task.num_frames}: {image}; unset task.num_frames (null) or name a video "
                         f"model ({', '.join(sorted(VIDEO))})")

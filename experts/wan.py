@@ -25,7 +25,7 @@ import contextlib
 import torch
 
 from common.loading import component
-from experts.flow_family import FamilyFrontEnd, FamilyVelocity, split_negative
+from experts.flow_family import NEGATIVE, FamilyFrontEnd, FamilyVelocity, split_negative
 
 HIGH, LOW = "transformer", "transformer_2"
 
@@ -97,10 +97,11 @@ class Velocity(FamilyVelocity):
                            encoder_hidden_states=cond["prompt_embeds"].to(dtype)).sample.float()
 
     def forward(self, x, sigma, **cond) -> torch.Tensor:
-        """v(x, sigma | text); under Wan2.2-A14B each row by the transformer of its noise level, with
-        that transformer's guidance (rows of both levels may share a batch in the update)."""
+        """v(x, sigma | text), guided against the empty prompt when `cond` holds its conditioning; under
+        Wan2.2-A14B each row by the transformer of its noise level, with that transformer's guidance
+        (rows of both levels may share a batch in the update)."""
         if self.boundary is None:
-            return super().forward(x, sigma, **cond)
+            return self.guided(self.transformer, self.spec.guidance_scale, x, sigma, cond)
         high = sigma.float() * self.num_train_timesteps >= self.boundary  # the pipeline's t >= boundary_timestep
         out = torch.empty_like(x, dtype=torch.float32)
         low_scale = self.spec.guidance_scale_2 if self.spec.guidance_scale_2 is not None else self.spec.guidance_scale
@@ -108,11 +109,12 @@ class Velocity(FamilyVelocity):
                                          (~high, self.transformer_2, low_scale)):
             if rows.any():
                 out[rows] = self.guided(transformer, scale, x[rows], sigma[rows],
-                                        {k: (v if k.startswith("negative_") else v[rows]) for k, v in cond.items()})
+                                        {k: v if k.startswith(NEGATIVE) else v[rows] for k, v in cond.items()})
         return out
 
     def guided(self, transformer, scale: float, x, sigma, cond) -> torch.Tensor:
-        """One transformer's velocity, guided with `scale` against the empty prompt when `cond` holds it."""
+        """One transformer's velocity, guided with `scale` against the empty prompt's conditioning (one
+        row, shared by the batch) where `cond` holds it, both branches in one batch."""
         positive, negative = split_negative(cond)
         if not negative or scale == 1.0:
             return self.velocity(x, sigma, positive, transformer)

@@ -183,6 +183,8 @@ def test_the_update_on_video_latents_reaches_both_transformers():
     (["experts.generator.model={kind: diffusers_flow, path: 'tiny:sd3'}", "task.image_width=64"],
      ["task.image_width=64", "square"]),
     (["task.image_width=64"], ["task.image_width=64", "square"]),
+    (["experts.generator.model={kind: diffusers_flow, path: 'tiny:wan2.1', guidance_scale_2: 3.0}", "task.num_frames=5"],
+     ["experts.generator.model.guidance_scale_2=3.0", "no low-noise transformer"]),
 ])
 def test_a_clip_the_generator_cannot_make_exits_2_naming_the_key(sets, named, monkeypatch, tmp_path, capsys):
     import driver.cli as cli
