@@ -438,7 +438,8 @@ class Config(Strict):
                 raise ValueError(f"experts.{eid}.owns is empty, but credit=per_expert needs a term")
         if self.experts.generator.model.kind == "tiny_dit" and self.task.image_size % self.experts.generator.model.patch:
             raise ValueError("task.image_size must be a multiple of experts.generator.model.patch")
-        if self.experts.generator.model.kind == "tiny_dit" and self.task.image_width not in (None, self.task.image_size):
+        square = self.task.image_width in (None, self.task.image_size)
+        if self.experts.generator.model.kind == "tiny_dit" and not square:
             raise ValueError(f"task.image_width={self.task.image_width}: the tiny DiT's images are square "
                              f"(task.image_size={self.task.image_size}); unset task.image_width")
         return self

@@ -42,8 +42,8 @@ def _text_side():
 def _transformer(channels: int, seed: int):
     from diffusers import WanTransformer3DModel
     torch.manual_seed(seed)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=channels,
-                                 out_channels=channels, text_dim=TEXT_WIDTH, freq_dim=256, ffn_dim=32, num_layers=2,
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                 in_channels=channels, out_channels=channels, text_dim=TEXT_WIDTH, freq_dim=256, ffn_dim=32, num_layers=2,
                                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
 
 
@@ -56,8 +56,8 @@ def _scheduler():
 def _save(out: Path, vae, transformer, transformer_2=None, boundary_ratio=None, expand_timesteps=False) -> Path:
     from diffusers import WanPipeline
     tokenizer, text_encoder = _text_side()
-    WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=_scheduler(), transformer=transformer,
-                transformer_2=transformer_2, boundary_ratio=boundary_ratio,
+    WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=_scheduler(),
+                transformer=transformer, transformer_2=transformer_2, boundary_ratio=boundary_ratio,
                 expand_timesteps=expand_timesteps).save_pretrained(out)
     return Path(out)
 
