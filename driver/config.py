@@ -341,6 +341,8 @@ class LoggingConfig(Strict):
     images_every: NonNegativeInt = Field(0, description="log sample images with their prompts every N steps "
                                                         "(and the last); 0: never")
     images_per_log: PositiveInt = Field(8, description="images per logged sample grid")
+    fps: PositiveFloat = Field(8.0, description="a video task: frames per second of the clips written (sample "
+                                                "sheets, `jointrl eval` and `jointrl sample`, TensorBoard, W&B)")
     report: bool = Field(False, description="when training ends, write RUN_DIR/report/ (`jointrl report`: the "
                                             "curves and a captioned sample sheet) and print the two to open first")
     ray_verbose: bool = Field(False, description="Ray's own lines (its start, notices) and the actors' output on "

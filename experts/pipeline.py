@@ -38,7 +38,9 @@ class RolloutMeta:
     """What the driver reads of a rollout: per sample its reward terms, whether they are valid (the
     reward neither failed nor gave NaN), the version vector it was made with, its counterfactual
     reward terms per refiner (NaN where not drawn) and refinements; for the batch its reward faults, the text
-    cache's hits and misses, the seconds it took, and its images when they are logged."""
+    cache's hits and misses, the seconds it took, and, when they are logged, the images (uint8) of
+    the step's first `logging.images_per_log` samples only (clips are large: 81 frames of 480 x 832
+    are 97 MB)."""
     samples: list[int]
     terms: dict[str, np.ndarray]
     valid: np.ndarray
@@ -178,7 +180,8 @@ class RolloutPipeline:
         faults = RewardFaults()
         terms, valid = self.reward(images, samples, refinements, faults)
         counterfactual = self.counterfactual(step, samples, refinements, noise, faults)
-        shown = np.stack([to_uint8(im) for im in images]) if self.shows_images(step) else None
+        shown = to_uint8(images[[s.sample < self.config.logging.images_per_log for s in samples]]) \
+            if self.shows_images(step) else None
         meta = RolloutMeta([s.sample for s in samples], terms, valid, [self.version_vector()] * len(samples),
                            counterfactual, as_text(refinements), faults, 0, 0, 0.0, shown)
         return Chunk(meta, kept, logps, per_sample, shared, tokens)
