@@ -54,7 +54,9 @@ def write_png(path: Path, rgb: np.ndarray) -> Path:
 def gif_bytes(frames: np.ndarray, fps: float = FPS) -> bytes:
     """An animated GIF of `frames` (F, H, W, 3) uint8, looping, `fps` frames a second."""
     from PIL import Image
-    pictures = [Image.fromarray(np.ascontiguousarray(f)) for f in np.asarray(frames, dtype=np.uint8)]
+    # each frame's 256 colours by fast octree: Pillow's default median cut takes ~50x longer on a sheet
+    pictures = [Image.fromarray(np.ascontiguousarray(f)).quantize(256, method=Image.Quantize.FASTOCTREE)
+                for f in np.asarray(frames, dtype=np.uint8)]
     out = io.BytesIO()
     pictures[0].save(out, format="GIF", save_all=True, append_images=pictures[1:], loop=0,
                      duration=max(round(1000 / fps), 20))  # browsers play faster GIF frames at 10 fps
