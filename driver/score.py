@@ -154,8 +154,7 @@ def score_folder(config: Config, name: str, term, prompts_file: str, folder: Pat
     prompts, files, sizes = checked_inputs(config, prompts_file, folder)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # a library's chatter must not mix into --json
-            # the image term itself: image files are frames, its `per_frame` scores frames of clips
-            scorer = build_scorer(term.model_copy(update={"per_frame": None}), device, name)
+            scorer = build_scorer(term, device, name)  # the image term itself: its `per_frame` picks frames of clips
     except ModelLoadError as e:
         raise ConfigError(f"{e}. Nothing was scored.") from None
     except (ValueError, OSError) as e:

@@ -80,6 +80,7 @@ class Trackers:
         frames = tiled(clips, cols=min(len(clips), 8), scale=1)
         image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
                               encoded_image_string=gif_bytes(frames, self.fps))
+        # the writer every add_* call goes through (SummaryWriter has no public call for an encoded image)
         self.tensorboard._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from experts.weights import load
 from tasks import build_task
 from tasks.base import Refinement, to_uint8
 from tasks.reward_guard import RewardFaults, RewardSet
-from tasks.rewards.term import build_scorer
+from tasks.rewards.term import build_scorer, sample_scorer
 
 
 @dataclass
@@ -121,7 +121,8 @@ def joined_results(parts: list[dict]) -> dict:
 class RolloutPipeline:
     def __init__(self, config, scorers: dict | None = None, device: torch.device = torch.device("cpu")):
         """`scorers`: term name -> the callable that scores it, for terms scored elsewhere (a pool
-        of reward actors); every other term's scorer is built here, on `device`."""
+        of reward actors); every other term's scorer is built here, on `device`. A term's
+        `per_frame` chooses its frames here, before a pool is called."""
         self.config, self.device = config, device
         self.task = build_task(config)
         self.refiner_ids = list(config.experts.active_refiners())
@@ -133,7 +134,7 @@ class RolloutPipeline:
         self.state_steps = kept_states(trained_steps(self.sde, config.experts.generator.train_final_step))
         self.owners = config.owners()
         scorers = scorers or {}
-        self.rewards = RewardSet({name: scorers.get(name) or build_scorer(term, device, name)
+        self.rewards = RewardSet({name: sample_scorer(term, scorers.get(name) or build_scorer(term, device, name))
                                   for name, term in config.reward.terms.items()}, self.owners, config.reward.timeout_s,
                                  config.reward.timeout_per_image_s)
 

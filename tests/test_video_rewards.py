@@ -13,7 +13,7 @@ from common.hub import local_model
 from tasks.base import Refinement, TextPrompt
 from tasks.reward_guard import RewardSet
 from tasks.rewards.frames import PerFrame, frame_indices
-from tasks.rewards.term import TermConfig, build_scorer
+from tasks.rewards.term import TermConfig, build_scorer, sample_scorer
 
 CPU = torch.device("cpu")
 
@@ -73,11 +73,35 @@ def test_per_frame_refuses_images():
 
 def test_a_builtin_per_frame_is_its_image_score_averaged_over_the_frames():
     batch = clips(b=2, f=5)
-    per_frame = build_scorer(TermConfig(fn="clip_score", model="tiny:clip", per_frame={"frames": 2}), CPU)
-    image = build_scorer(TermConfig(fn="clip_score", model="tiny:clip"), CPU)
+    term = TermConfig(fn="clip_score", model="tiny:clip", per_frame={"frames": 2})
+    image = build_scorer(term, CPU)  # the image term itself, as a reward actor builds it
+    per_frame = sample_scorer(term, image)
     expected = np.mean([image(batch[:, f], prompts(2), [{}] * 2) for f in (0, 4)], axis=0)
     np.testing.assert_allclose(per_frame(batch, prompts(2), [{}] * 2), expected, rtol=1e-5, atol=1e-6)
     assert isinstance(per_frame, PerFrame) and per_frame.strict(batch, prompts(2), [{}] * 2) is None
+    assert sample_scorer(TermConfig(fn="clip_score"), image) is image
+
+
+def test_a_pool_of_reward_actors_is_sent_the_chosen_frames_only():
+    from cluster.reward_pool import PooledTerm
+    from cluster.runtime import InlineHandle
+
+    class Actor:
+        def __init__(self):
+            self.inner = Recorder()
+
+        def score(self, *args):
+            return self.inner(*args)
+
+        def ready(self):
+            return 0
+    actor = Actor()
+    term = TermConfig(fn="clip_score", per_frame={"frames": 2, "reduce": "min"})
+    pooled = sample_scorer(term, PooledTerm([InlineHandle(actor)], first=0, attempts=0, images_per_call=4))
+    batch = clips(b=3, f=6)
+    scored = pooled(batch, prompts(3), [{}] * 3)
+    assert [shape for shape, _, _ in actor.inner.calls] == [(4, 3, 24, 24), (2, 3, 24, 24)]  # 6 frames, by 4
+    np.testing.assert_allclose(scored, batch[:, [0, 5]].mean((2, 3, 4)).min(1), rtol=1e-6)
 
 
 def test_temporal_consistency_is_the_mean_cosine_of_consecutive_clip_embeddings():

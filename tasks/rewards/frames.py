@@ -2,7 +2,8 @@
 
 The peers score video generators with image rewards frame by frame: Flow-Factory and miles average
 PickScore over a Wan clip's frames, verl-omni scores Wan2.2 with HPSv3 per frame. `PerFrame` wraps
-any image term (a built-in or a user's) once, around the scorer: of each clip (F, 3, H, W) it takes
+any image term (a built-in or a user's) once, around the scorer where the samples are (a rollout
+worker: a term scored by reward actors is sent the chosen frames only): of each clip (F, 3, H, W) it takes
 k frames spread evenly over the clip, the first and the last among them (k = 1: the middle frame),
 scores all B x k frames in one call of the image term (which runs them in passes of its own
 `batch_size`), each frame against its clip's prompt and refinements, and reduces each clip's k

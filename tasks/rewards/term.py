@@ -115,18 +115,19 @@ class TermConfig(Strict):
         return []
 
 
-def build_scorer(term: TermConfig, device, name: str | None = None):
-    """The callable that scores `term`: a class is constructed (its model loaded) here, once, and
-    wrapped to score frames of clips if the term has `per_frame`. Given
-    the term's `name`, a failure to construct it (but running out of memory) is raised as a
-    ModelLoadError naming the option of the model it was loading (`reward.terms.<name>.model`,
-    `.processor`, `.clip_model`, …: the last one it asked for)."""
-    scorer = built(term, device, name)
+def sample_scorer(term: TermConfig, scorer):
+    """`scorer` (the term's own, `build_scorer`'s, or its pool of reward actors') as it scores the
+    task's samples: under `per_frame`, called on the frames chosen of each clip, so that a pool is
+    sent those frames only."""
     return scorer if term.per_frame is None else PerFrame(scorer, term.per_frame.frames, term.per_frame.reduce)
 
 
-def built(term: TermConfig, device, name: str | None = None):
-    """`build_scorer`'s scorer of the term itself, on images where it takes them (no `per_frame`)."""
+def build_scorer(term: TermConfig, device, name: str | None = None):
+    """The callable that scores `term` (on images where it takes them: `sample_scorer` applies its
+    `per_frame`): a class is constructed (its model loaded) here, once. Given
+    the term's `name`, a failure to construct it (but running out of memory) is raised as a
+    ModelLoadError naming the option of the model it was loading (`reward.terms.<name>.model`,
+    `.processor`, `.clip_model`, …: the last one it asked for)."""
     found = resolve(term.fn)
     if not is_model(found):
         return found
