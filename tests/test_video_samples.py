@@ -146,3 +146,44 @@ def test_sample_writes_an_animated_grid_of_clips(tmp_path, monkeypatch):
     frames = gif_frames(tmp_path / "out.gif")
     np.testing.assert_array_equal(frames.shape, grid(solid_clips(2), cols=2).shape)
     assert_plays(frames, to_uint8(solid_clips(2))[1, :, 0, 0], 10, frames.shape[2] - 10)
+
+
+def test_a_rollout_and_an_evaluation_of_clips_score_per_frame_and_write_animations(tmp_path):
+    """The rollout pipeline with the tiny models, its decoder made to return clips (each image
+    sliding one pixel a frame): the per-frame reward, the logged clips and the eval sheets."""
+    import torch
+
+    from algorithm.batch import Sample
+    from driver.evaluate import write_samples
+    from driver.trackers import Trackers
+    from experts.pipeline import RolloutPipeline
+    from tasks.rewards.term import build_scorer
+    from tasks.shapes import prompt_set
+    config = resolve_config("shapes-tiny", ["reward.terms.image.per_frame={frames: 2, reduce: min}",
+                                            "logging.images_every=1", "logging.images_per_log=3"])
+    pipeline = RolloutPipeline(config)
+    decode, decoded = pipeline.frontend.decode, []
+
+    def clips_of(latents):
+        images = decode(latents)
+        decoded.append(torch.stack([images.roll(f, dims=-1) for f in range(F)], 1))
+        return decoded[-1]
+    pipeline.frontend.decode = clips_of
+    prompts = prompt_set(2, seed=0)
+    samples = [Sample(g * 2 + k, g, prompts[g], k == 0) for g in range(2) for k in range(2)]
+    meta = pipeline.run(0, samples).meta
+    clips = decoded[-1].numpy()
+    side = config.task.image_size
+    assert clips.shape == (4, F, 3, side, side) and meta.images.shape == (3, F, side, side, 3)
+    np.testing.assert_array_equal(meta.images, to_uint8(clips[:3]))
+    image = build_scorer(config.reward.terms["image"], torch.device("cpu"))
+    by_frame = [image(clips[:, f], prompts=[s.prompt for s in samples], refinements=[{}] * 4) for f in (0, F - 1)]
+    np.testing.assert_allclose(meta.terms["image"], np.minimum(*by_frame))
+    sheet = Trackers(config, tmp_path).samples(0, meta.images, [s.prompt.text for s in samples[:3]],
+                                               meta.refinements[:3], [0.1, 0.2, None])
+    assert len(gif_frames(sheet)) == F
+    held = prompt_set(3, seed=1)
+    result = pipeline.evaluate(held, refine=True)
+    assert result["images"].shape == (3, F, 3, side, side)
+    write_samples(tmp_path, config, held, result, config.reward.weights)
+    assert len(gif_frames(tmp_path / "eval_sheet.gif")) == F and len(gif_frames(tmp_path / "eval_samples.gif")) == F
