@@ -258,7 +258,8 @@ class RewardConfig(Strict):
                                      "sample, and the samples it fails on are dropped")
     timeout_per_image_s: NonNegativeFloat = Field(1.0, description="seconds a reward call may take per image it "
                                                   "scores, beside `timeout_s`: the deadline of a call of n images "
-                                                  "is timeout_s + n x this")
+                                                  "is timeout_s + n x this (a video task: n clips, each "
+                                                  "counted once whatever its frames)")
     max_failed_steps: NonNegativeInt = Field(3, description="steps in a row in which the reward failed on every "
                                              "sample (each term raised, timed out or gave no finite number), so "
                                              "that no update could be made, before the run checkpoints its last "
