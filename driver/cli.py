@@ -43,7 +43,8 @@ def parse_args(argv):
     s.add_argument("--prompt", required=True, help="words of the task's vocabulary, e.g. 'a red circle'")
     s.add_argument("-n", type=int, default=4, help="images to draw (default 4)")
     s.add_argument("--seed", type=int, default=0, help="seeds the refiners' and generator's draws")
-    s.add_argument("--out", default=None, help="the PNG to write (default RUN/samples/<prompt>-seed<S>.png)")
+    s.add_argument("--out", default=None, help="the PNG to write (default RUN/samples/<prompt>-seed<S>.png); a video "
+                                                  "task's clips: this name as .gif (and .mp4)")
     r = sub.add_parser("report", help="plot a run's curves and samples as PNG files in RUN_DIR/report/")
     r.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (with metrics.jsonl)")
     c = sub.add_parser("config", help="print a resolved config (show) or every key (keys), with descriptions")
@@ -241,8 +242,9 @@ def evaluate(args) -> int:
         else:
             where = Path(args.base)
             report = evaluate_base(load_config(args.config, ["experts.base=null", *overrides]), where, bar.update)
+    pictures = sorted(p for p in where.glob("eval_s*.*") if p.stem in ("eval_samples", "eval_sheet"))
     print(f"jointrl: evaluation of {report['checkpoint']}\n{table(report)}\n"
-          f"  written to {where / 'eval.json'}; images in {where / 'eval_samples.png'} and {where / 'eval_sheet.png'}")
+          f"  written to {where / 'eval.json'}; images in {' and '.join(map(str, pictures))}")
     return 0
 
 
@@ -256,7 +258,7 @@ def run_sample(args) -> int:
     print(f"jointrl: {args.prompt!r} from {drawn['checkpoint']}")
     for i, refs in enumerate(drawn["refinements"]):
         print(f"  [{i}] " + ("; ".join(f"{e}: {words or '(nothing)'}" for e, words in refs.items()) or "not refined"))
-    print(f"  images: {drawn['png']}")
+    print(f"  images: {', '.join(map(str, drawn['files']))}")
     return 0
 
 
@@ -340,7 +342,7 @@ def report_lines(run_dir: Path, config: Config) -> str:
     """The run's report written, and the two pictures to open first: the rewards and the samples."""
     from driver.report import report
     written, missing = report(run_dir, lambda: config)
-    first = [p for p in written if p.name in ("rewards.png", "samples.png")]
+    first = [p for p in written if p.name in ("rewards.png", "samples.png", "samples.gif")]
     return (f"jointrl: report in {run_dir / 'report'} ({len(written)} pictures); open first:\n"
             + "\n".join(f"  {p}" for p in first) + (f"\n  no samples: {missing}" if missing else ""))
 

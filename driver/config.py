@@ -258,7 +258,8 @@ class RewardConfig(Strict):
                                      "sample, and the samples it fails on are dropped")
     timeout_per_image_s: NonNegativeFloat = Field(1.0, description="seconds a reward call may take per image it "
                                                   "scores, beside `timeout_s`: the deadline of a call of n images "
-                                                  "is timeout_s + n x this")
+                                                  "is timeout_s + n x this (a video task: n clips, each "
+                                                  "counted once whatever its frames)")
     max_failed_steps: NonNegativeInt = Field(3, description="steps in a row in which the reward failed on every "
                                              "sample (each term raised, timed out or gave no finite number), so "
                                              "that no update could be made, before the run checkpoints its last "
@@ -341,6 +342,8 @@ class LoggingConfig(Strict):
     images_every: NonNegativeInt = Field(0, description="log sample images with their prompts every N steps "
                                                         "(and the last); 0: never")
     images_per_log: PositiveInt = Field(8, description="images per logged sample grid")
+    fps: PositiveFloat = Field(8.0, description="a video task: frames per second of the clips written (sample "
+                                                "sheets, `jointrl eval` and `jointrl sample`, TensorBoard, W&B)")
     report: bool = Field(False, description="when training ends, write RUN_DIR/report/ (`jointrl report`: the "
                                             "curves and a captioned sample sheet) and print the two to open first")
     ray_verbose: bool = Field(False, description="Ray's own lines (its start, notices) and the actors' output on "

@@ -1,5 +1,6 @@
 """`jointrl eval`: the report of tasks/evaluation.py at a run's latest checkpoint (or a pretrained
-base), written to eval.json with its images, and printed as GenEval's table."""
+base), written to eval.json with its images (a video task's clips: animated, .gif and .mp4 where
+imageio[ffmpeg] is installed), and printed as GenEval's table."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import torch
 
 from driver.checkpoint import pipeline_at
 from driver.config import ConfigError
-from driver.images import grid, write_png
+from driver.images import grid, write_picture
 from driver.plots import caption, sample_sheet
 from experts.devices import local_device
 from experts.pipeline import RolloutPipeline
@@ -32,7 +33,8 @@ def evaluate(config, pipeline: RolloutPipeline, out_dir: Path | None = None, pro
 
 def write_samples(out_dir: Path, config, prompts: list, result: dict, weights: dict) -> None:
     """eval_samples.png: one row per tag (a short row padded grey); eval_sheet.png: the first
-    sample of each tag, then the second …, with prompts, refinements and total rewards."""
+    sample of each tag, then the second …, with prompts, refinements and total rewards (clips:
+    eval_samples.gif and eval_sheet.gif, animated)."""
     tags = [p.metadata.get("tag") for p in prompts]
     order = list(dict.fromkeys(tags))
     per_row = min(max(tags.count(t) for t in order), 10)
@@ -40,13 +42,13 @@ def write_samples(out_dir: Path, config, prompts: list, result: dict, weights: d
     blank = np.zeros_like(result["images"][0])
     tiles = [result["images"][i] for r in rows for i in r] if len(order) == 1 else \
         [result["images"][r[j]] if j < len(r) else blank for r in rows for j in range(per_row)]
-    write_png(out_dir / "eval_samples.png", grid(np.stack(tiles), cols=per_row))
+    write_picture(out_dir / "eval_samples.png", grid(np.stack(tiles), cols=per_row), config.logging.fps)
     shown = [i for tagged in zip(*[list(r) + [None] * (per_row - len(r)) for r in rows]) for i in tagged
              if i is not None][:SHEET]
     total = sum(w * result["terms"][t] for t, w in weights.items())
     sample_sheet(np.stack([to_uint8(result["images"][i]) for i in shown]),
                  [caption(prompts[i].text, result["refinements"][i], float(total[i]) if result["valid"][i] else None)
-                  for i in shown], "evaluation samples", out_dir / "eval_sheet.png")
+                  for i in shown], "evaluation samples", out_dir / "eval_sheet.png", fps=config.logging.fps)
 
 
 def evaluate_run(run_dir: Path, config, progress=None) -> dict:

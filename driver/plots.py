@@ -1,5 +1,5 @@
 """Pictures of a run, drawn with matplotlib off-screen: curves of metrics over steps, and sheets of
-sample images captioned with their original and refined prompts."""
+sample images (or animated sheets of clips) captioned with their original and refined prompts."""
 from __future__ import annotations
 
 import textwrap
@@ -7,6 +7,8 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+
+from driver.images import FPS, write_clip
 
 
 def pyplot():
@@ -46,20 +48,46 @@ def curves(rows: list[dict], keys: list[str], title: str, ylabel: str, path: Pat
     return save(plt, fig, path)
 
 
-def sample_sheet(images: np.ndarray, captions: list[str], title: str, path: Path, cols: int = 4) -> Path:
+def sample_sheet(images: np.ndarray, captions: list[str], title: str, path: Path, cols: int = 4,
+                 fps: float = FPS) -> Path:
     """Images (B, H, W, 3) uint8 in a grid, each with its caption (original and refined prompts)
-    underneath, wrapped to the tile's width."""
+    underneath, wrapped to the tile's width, written to `path`; clips (B, F, H, W, 3) as an animated
+    sheet of them, `path` with suffix .gif (and .mp4 beside it where imageio[ffmpeg] is installed),
+    `fps` frames a second. Returns the file written (the GIF of clips)."""
+    images = np.asarray(images)
+    clips = images.ndim == 5
     plt = pyplot()
     rows = -(-len(images) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 4.2 * rows), dpi=100, squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
+    shown = []
     for ax, image, caption in zip(axes.flat, images, captions):
-        ax.imshow(image, interpolation="nearest")
+        shown.append(ax.imshow(image[0] if clips else image, interpolation="nearest"))
         wrapped = "\n".join(textwrap.fill(line, 38) for line in caption.splitlines())
         ax.text(0.5, -0.03, wrapped, transform=ax.transAxes, ha="center", va="top", fontsize=7, family="monospace")
     fig.suptitle(title)
-    return save(plt, fig, path)
+    if not clips:
+        return save(plt, fig, path)
+    return write_clip(path, animated(plt, fig, shown, images), fps)[0]
+
+
+def animated(plt, fig, shown: list, clips: np.ndarray) -> np.ndarray:
+    """The frames (F, H, W, 3) uint8 of `fig` with each image artist of `shown` playing its clip of
+    `clips` (B, F, H, W, 3): the figure is laid out and drawn once, then only the images are redrawn
+    on it, frame by frame (the captions stay as drawn); `fig` is freed."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        fig.tight_layout()
+        fig.canvas.draw()
+        frames = []
+        for f in range(clips.shape[1]):
+            for artist, clip in zip(shown, clips):
+                artist.set_data(clip[f])
+                artist.axes.draw_artist(artist)
+            frames.append(np.asarray(fig.canvas.buffer_rgba())[..., :3].copy())
+    plt.close(fig)
+    return np.stack(frames)
 
 
 def printable(text: str) -> str:

@@ -171,6 +171,10 @@ def preflight(config: Config, download: str = "jointrl download --config <your c
         check("experts.text_encoder.init", weights_file, config.experts.text_encoder.init)
     for name, term in config.reward.terms.items():
         problems += term_problems(f"reward.terms.{name}", term)
+        try:
+            problems += term.sample_problems(f"reward.terms.{name}", config.task.num_frames)
+        except ValueError:  # its fn does not import: term_problems said so
+            pass
     problems += task_problems(config)
     for flag, module in LOGGER_PACKAGES.items():
         if getattr(config.logging, flag) and missing(module):

@@ -4,7 +4,9 @@ rewards.png (total and every term), experts.png (each refiner's own reward), ver
 expert's version over steps), timing.png (step, rollout, update, sync and idle seconds),
 staleness.png (each expert's lag, asynchronous runs), losses.png, and samples.png: the latest
 logged samples (`logging.images_every`) with their original and refined prompts, or, if the run
-logged none, one sample per held-out prompt drawn from its latest checkpoint.
+logged none, one sample per held-out prompt drawn from its latest checkpoint. A video task's
+samples are clips: samples.gif, an animated sheet (and samples.mp4 where imageio[ffmpeg] is
+installed).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from driver.config import ConfigError
+from driver.images import FPS
 from driver.metrics import parse
 from driver.plots import caption, curves, sample_sheet
 from tasks.base import to_uint8
@@ -32,18 +35,18 @@ def keys(rows: list[dict], prefix: str, exclude: tuple[str, ...] = ()) -> list[s
     return list(seen)
 
 
-def latest_samples(run_dir: Path) -> tuple[np.ndarray, list[str], str] | None:
-    """(images, captions, title) of the newest sheet the run logged, if any."""
+def latest_samples(run_dir: Path) -> tuple[np.ndarray, list[str], str, float | None] | None:
+    """(images or clips, captions, title, frames per second) of the newest sheet the run logged, if any."""
     logged = sorted((Path(run_dir) / "samples").glob("step_*.json"))
     if not logged:
         return None
     meta = json.loads(logged[-1].read_text())
     images = np.load(logged[-1].with_suffix(".npy"))
     captions = [caption(p, r, w) for p, r, w in zip(meta["prompts"], meta["refinements"], meta["rewards"])]
-    return images, captions, f"samples at step {meta['step']}"
+    return images, captions, f"samples at step {meta['step']}", meta.get("fps")
 
 
-def drawn_samples(run_dir: Path, config, n: int = 8) -> tuple[np.ndarray, list[str], str]:
+def drawn_samples(run_dir: Path, config, n: int = 8) -> tuple[np.ndarray, list[str], str, float]:
     """One ODE sample per tag of the task's first evaluation set (then more of its prompts, up to
     `n`), from the latest checkpoint, with its refinements."""
     from driver.checkpoint import pipeline_at
@@ -57,7 +60,7 @@ def drawn_samples(run_dir: Path, config, n: int = 8) -> tuple[np.ndarray, list[s
     drawn = pipeline.draw(prompts, refine=not config.experts.generator_only, tag="report")
     images = np.stack([to_uint8(im) for im in drawn["images"]])
     return images, [caption(p.text, r, None) for p, r in zip(prompts, drawn["refinements"])], \
-        f"held-out prompts, {ckpt.name}"
+        f"held-out prompts, {ckpt.name}", config.logging.fps
 
 
 def report(run_dir: Path, config) -> tuple[list[Path], str | None]:
@@ -83,8 +86,8 @@ def report(run_dir: Path, config) -> tuple[list[Path], str | None]:
     ]
     written, missing = [p for p in plots if p is not None], None
     try:
-        images, captions, title = latest_samples(run_dir) or drawn_samples(run_dir, config())
-        written.append(sample_sheet(images, captions, title, out / "samples.png"))
+        images, captions, title, fps = latest_samples(run_dir) or drawn_samples(run_dir, config())
+        written.append(sample_sheet(images, captions, title, out / "samples.png", fps=fps or FPS))
     except ConfigError as e:  # no checkpoint (yet) to draw samples from: the curves stand alone
         missing = str(e)
     return written, missing

@@ -1,4 +1,6 @@
-"""`jointrl sample`: one prompt, refined by the trained refiners and drawn by the trained generator.
+"""`jointrl sample`: one prompt, refined by the trained refiners and drawn by the trained generator:
+a PNG grid of its images, or for a video task an animated grid of its clips (a GIF, and an MP4
+beside it where imageio[ffmpeg] is installed).
 
 The prompt is checked against the task's vocabulary first: an empty, over-long or unknown-word
 prompt is an error that names it, before anything is loaded.
@@ -13,7 +15,7 @@ import numpy as np
 
 from driver import checkpoint
 from driver.config import ConfigError
-from driver.images import grid, write_png
+from driver.images import grid, write_picture
 from tasks.base import TextPrompt
 from tasks.shapes import encode_words
 
@@ -41,12 +43,13 @@ def user_prompt(text: str, config) -> TextPrompt:
 
 
 def sample_run(run_dir: Path, config, text: str, n: int = 4, seed: int = 0, out: Path | None = None) -> dict:
-    """`n` images of `text` from the latest checkpoint of `run_dir`, written as one PNG grid;
-    returns {"png", "checkpoint", "refinements" (one dict per image, refiner id -> words)}."""
+    """`n` images (clips) of `text` from the latest checkpoint of `run_dir`, written as one PNG grid
+    (an animated one, `out` with suffix .gif, and .mp4); returns {"files" (the grid first), "checkpoint",
+    "refinements" (one dict per image, refiner id -> words)}."""
     prompt = user_prompt(text, config)
     if out is not None and out.is_dir():
         raise ConfigError(f"--out '{out}' is a folder; name the PNG file to write. Nothing was drawn.")
-    image_bytes = 3 * config.task.image_size ** 2 * 4
+    image_bytes = 3 * config.task.image_size ** 2 * 4 * (config.task.num_frames or 1)
     if 2 * n * image_bytes > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2:
         raise ConfigError(f"-n {n}: {n} images of {config.task.image_size} px would not fit in half of this "
                           f"machine's memory; draw fewer. Nothing was drawn.")
@@ -58,7 +61,7 @@ def sample_run(run_dir: Path, config, text: str, n: int = 4, seed: int = 0, out:
     out = out or Path(run_dir) / "samples" / f"{re.sub(r'[^a-z0-9]+', '-', prompt.text.lower()).strip('-')}-seed{seed}.png"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_png(out, grid(drawn["images"], cols=min(n, 8)))
+        files = write_picture(out, grid(drawn["images"], cols=min(n, 8)), config.logging.fps)
     except OSError as e:
         raise ConfigError(f"--out '{out}': cannot write it ({e.strerror}); name a writable PNG file.") from None
-    return {"png": out, "checkpoint": ckpt, "refinements": drawn["refinements"]}
+    return {"files": files, "checkpoint": ckpt, "refinements": drawn["refinements"]}

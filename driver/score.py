@@ -145,13 +145,16 @@ def score_folder(config: Config, name: str, term, prompts_file: str, folder: Pat
     if not term.needs_images():
         raise ConfigError(f"--term {name}: {term.fn} scores the refiners' text, not images; jointrl score scores "
                           f"image terms. Nothing was started.")
+    if term.takes() == "clips":
+        raise ConfigError(f"--term {name}: {term.fn} scores clips, not images; jointrl score scores image terms. "
+                          f"Nothing was started.")
     if not getattr(resolve(term.fn), "prompt_files", True):
         raise ConfigError(f"--term {name}: {term.fn} scores its task's own prompt records, not prompts read from "
                           f"a file. Nothing was started.")
     prompts, files, sizes = checked_inputs(config, prompts_file, folder)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # a library's chatter must not mix into --json
-            scorer = build_scorer(term, device, name)
+            scorer = build_scorer(term, device, name)  # the image term itself: its `per_frame` picks frames of clips
     except ModelLoadError as e:
         raise ConfigError(f"{e}. Nothing was scored.") from None
     except (ValueError, OSError) as e:

@@ -30,7 +30,7 @@ from experts.weights import load
 from tasks import build_task
 from tasks.base import Refinement, to_uint8
 from tasks.reward_guard import RewardFaults, RewardSet
-from tasks.rewards.term import build_scorer
+from tasks.rewards.term import build_scorer, sample_scorer
 
 
 @dataclass
@@ -38,7 +38,9 @@ class RolloutMeta:
     """What the driver reads of a rollout: per sample its reward terms, whether they are valid (the
     reward neither failed nor gave NaN), the version vector it was made with, its counterfactual
     reward terms per refiner (NaN where not drawn) and refinements; for the batch its reward faults, the text
-    cache's hits and misses, the seconds it took, and its images when they are logged."""
+    cache's hits and misses, the seconds it took, and, when they are logged, the images (uint8) of
+    the step's first `logging.images_per_log` samples only (clips are large: 81 frames of 480 x 832
+    are 97 MB)."""
     samples: list[int]
     terms: dict[str, np.ndarray]
     valid: np.ndarray
@@ -119,7 +121,8 @@ def joined_results(parts: list[dict]) -> dict:
 class RolloutPipeline:
     def __init__(self, config, scorers: dict | None = None, device: torch.device = torch.device("cpu")):
         """`scorers`: term name -> the callable that scores it, for terms scored elsewhere (a pool
-        of reward actors); every other term's scorer is built here, on `device`."""
+        of reward actors); every other term's scorer is built here, on `device`. A term's
+        `per_frame` chooses its frames here, before a pool is called."""
         self.config, self.device = config, device
         self.task = build_task(config)
         self.refiner_ids = list(config.experts.active_refiners())
@@ -131,7 +134,7 @@ class RolloutPipeline:
         self.state_steps = kept_states(trained_steps(self.sde, config.experts.generator.train_final_step))
         self.owners = config.owners()
         scorers = scorers or {}
-        self.rewards = RewardSet({name: scorers.get(name) or build_scorer(term, device, name)
+        self.rewards = RewardSet({name: sample_scorer(term, scorers.get(name) or build_scorer(term, device, name))
                                   for name, term in config.reward.terms.items()}, self.owners, config.reward.timeout_s,
                                  config.reward.timeout_per_image_s)
 
@@ -178,7 +181,8 @@ class RolloutPipeline:
         faults = RewardFaults()
         terms, valid = self.reward(images, samples, refinements, faults)
         counterfactual = self.counterfactual(step, samples, refinements, noise, faults)
-        shown = np.stack([to_uint8(im) for im in images]) if self.shows_images(step) else None
+        shown = to_uint8(images[[s.sample < self.config.logging.images_per_log for s in samples]]) \
+            if self.shows_images(step) else None
         meta = RolloutMeta([s.sample for s in samples], terms, valid, [self.version_vector()] * len(samples),
                            counterfactual, as_text(refinements), faults, 0, 0, 0.0, shown)
         return Chunk(meta, kept, logps, per_sample, shared, tokens)

@@ -111,6 +111,7 @@ def test_scores_as_the_term_scores_its_images_in_batches_of_one_size(tmp_path, c
     ("unknown option", "reward.terms.ocr: .*treads: Extra inputs are not permitted"),
     ("unknown term", "--term nope: not a reward term of --config shapes"),
     ("text term", "--term format: shapes_format scores the refiners' text"),
+    ("clip term", "--term temporal_consistency: temporal_consistency scores clips, not images"),
     ("no prompts file", "--prompts: .*no/such.txt: no such file"),
     ("no folder", "--images '.*nowhere' is not a folder"),
 ])
@@ -125,6 +126,8 @@ def test_bad_input_exits_2_naming_it_before_any_model_loads(case, says, signs, t
         (images / "10.png").write_bytes(b"not a PNG")
     elif case == "unknown option":
         extra = ["--set", "reward.terms.ocr.treads=1"]
+    elif case == "clip term":
+        term, extra = "temporal_consistency", ["--set", "reward.terms.temporal_consistency.model=tiny:clip"]
     elif case in ("unknown term", "text term"):
         term = {"unknown term": "nope", "text term": "format"}[case]
     elif case == "no prompts file":

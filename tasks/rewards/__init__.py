@@ -18,6 +18,7 @@ BUILTINS = {
     "format": "tasks.rewards.text:Format",
     "length": "tasks.rewards.text:Length",
     "faithful": "tasks.rewards.text:Faithful",
+    "temporal_consistency": "tasks.rewards.temporal:TemporalConsistency",
     "shapes_image": "tasks.rewards.shapes:ShapesImage",
     "shapes_fidelity": "tasks.rewards.shapes:ShapesFidelity",
     "shapes_style": "tasks.rewards.shapes:ShapesStyle",

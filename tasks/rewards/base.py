@@ -9,7 +9,9 @@ batches:
     scorer(images, prompts, refinements) -> array of B floats
 
 - `images`: (B, 3, H, W) float32 in [-1, 1], as the generator decodes them (`pil_images` converts);
-  under a video task (`task.num_frames` set) each sample is a clip, (B, F, 3, H, W);
+  under a video task (`task.num_frames` set) each sample is a clip, (B, F, 3, H, W): a class says
+  which it takes by `takes` ("images" or "clips"; an image term scores clips frame by frame under
+  `per_frame`, tasks/rewards/frames.py; a user's code that does not say receives what the task makes);
 - `prompts`: the *original* prompt records (`.text`, `.metadata`: e.g. GenEval's `include`);
 - `refinements`: per sample {refiner id: Refinement}, already narrowed to the refiners that own
   the term (all of them where nobody owns it); {} for a sample that was not refined.
@@ -53,6 +55,7 @@ class RewardModel:
     default_model: str | None = None
     packages: tuple[str, ...] = ()
     needs_images = True  # False: a text term, scored on refinements alone
+    takes: Literal["images", "clips"] = "images"  # what it scores: images (B, 3, H, W) or clips (B, F, 3, H, W)
     prompt_files = True  # False: it scores its own task's prompt records only, not prompts read from a file
 
     def __init__(self, options: Options, device: torch.device):
