@@ -37,7 +37,8 @@ def config(*extra: str):
     return load_config("shapes-tiny", [
         f"experts.generator.model={{kind: diffusers_flow, path: 'tiny:wan2.1', guidance_scale: {GUIDANCE}, "
         f"max_sequence_length: 16}}", f"task.num_frames={FRAMES}", f"task.image_size={HEIGHT}",
-        f"task.image_width={WIDTH}", f"experts.generator.sample_steps={STEPS}", *extra])
+        f"task.image_width={WIDTH}", f"reward.terms.image.per_frame={{frames: {FRAMES}, reduce: mean}}",
+        f"experts.generator.sample_steps={STEPS}", *extra])
 
 
 def sampling(repeats: int) -> dict:

@@ -29,7 +29,8 @@ from tests.family_check import (PROMPTS, Sampled, assert_close, assert_equals_pi
 
 STEPS = 4
 FRAMES, HEIGHT, WIDTH = 5, 32, 64  # 2 latent frames; a non-square frame as the Wan presets use
-CLIP = [f"task.num_frames={FRAMES}", f"task.image_size={HEIGHT}", f"task.image_width={WIDTH}"]
+CLIP = [f"task.num_frames={FRAMES}", f"task.image_size={HEIGHT}", f"task.image_width={WIDTH}",
+        f"reward.terms.image.per_frame={{frames: {FRAMES}, reduce: mean}}"]  # the shapes image term, on each frame
 
 
 def wan_pipeline(path: str, dtype: str):
