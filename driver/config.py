@@ -210,11 +210,25 @@ class ClusterConfig(Strict):
                                                          "updates (off-policy by up to k versions); 0: in lockstep")
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
         "pack", description="Ray placement strategy of the reserved bundles")
-    colocate: bool = Field(True, description="false: experts and rollout workers in separate placement groups")
+    colocate: bool = Field(True, description="placement only: false puts experts and rollout workers in "
+                                             "separate placement groups (cluster.layout says who rolls out)")
+    layout: Literal["separate", "colocated"] = Field(
+        "separate", description="who rolls out: separate: rollout workers hold inference copies and every new "
+                                "version is synced to them; colocated: no rollout workers, each expert's own ranks "
+                                "roll out their share with their current weights, then update (no weight sync; "
+                                "synchronous only)")
+    offload: list[Literal["optimizer", "reference"]] = Field(
+        [], description="under layout=colocated: what each expert rank moves to host memory while it rolls out "
+                        "and back to its device for the update (the optimizer state, the frozen reference)")
     placement_timeout_s: PositiveFloat = Field(120.0, description="seconds to wait for the bundles; then the run "
                                                                   "stops, naming those it could not place")
     max_restarts: NonNegativeInt = Field(3, description="per actor: Ray restarts it this often, the driver "
                                                         "restores its state")
+
+    @property
+    def workers(self) -> int:
+        """The rollout workers the layout spawns: none where the experts roll out themselves."""
+        return 0 if self.layout == "colocated" else self.rollout_workers
 
 
 class RolloutConfig(Strict):
@@ -472,6 +486,23 @@ class Config(Strict):
             if self.cluster.sync == "collective":
                 raise ValueError(f"experts.{eid}.parallel.ranks={ranks} with cluster.sync=collective: an expert of "
                                  f"several ranks publishes through the object store (cluster.sync=object_store)")
+        return self
+
+    @model_validator(mode="after")
+    def _layout(self):
+        """Colocated experts roll out with the weights they hold now: nothing runs ahead of them."""
+        c = self.cluster
+        if c.layout == "colocated" and c.max_staleness:
+            raise ValueError(f"cluster.max_staleness={c.max_staleness} with cluster.layout=colocated: the experts "
+                             f"roll out with their current weights, so a step cannot run ahead of the updates; "
+                             f"set cluster.max_staleness=0 or cluster.layout=separate")
+        if c.layout == "colocated" and self.evaluation.every:
+            raise ValueError(f"evaluation.every={self.evaluation.every} with cluster.layout=colocated: evaluation "
+                             f"during training draws on a rollout worker, which this layout has none of; set "
+                             f"evaluation.every=0 and run `jointrl eval --run RUN_DIR` on its checkpoints")
+        if c.offload and c.layout != "colocated":
+            raise ValueError(f"cluster.offload={c.offload} with cluster.layout={c.layout}: only a rank that rolls "
+                             f"out and then updates (cluster.layout=colocated) has a phase to offload for")
         return self
 
     def owners(self) -> dict[str, list[str]]:

@@ -17,6 +17,7 @@ import ray
 from algorithm.batch import step_samples
 from algorithm.credit import advantages, total_reward
 from algorithm.staleness import lags, within
+from cluster.colocated import ColocatedRollouts
 from cluster.expert_actor import ExpertActor
 from cluster.expert_group import ExpertGroup
 from cluster.placement import Placement
@@ -60,7 +61,8 @@ class DriverActor:
         self.start_step, states = checkpoint.load(Path(resume), config.experts.ids()) if resume else (0, {})
         runtime = Runtime(config.cluster.mode, config.trainer.run_name, config.cluster.max_restarts, placement)
         self.placement, self.faults = placement, FaultCounts()
-        self.rollouts = RolloutPool(config, runtime, self.faults, self.samples)
+        pool = ColocatedRollouts if config.cluster.layout == "colocated" else RolloutPool
+        self.rollouts = pool(config, runtime, self.faults, self.samples)
         self.experts = ExpertGroup(config, runtime, self.faults, self.rollouts.workers, states, expert_cls)
         if resume:
             self.rollouts.resubmit(checkpoint.load_in_flight(Path(resume)), self.start_step, self.experts)
