@@ -249,6 +249,8 @@ class PlanTarget(Strict):
     nodes: PositiveInt = Field(1, description="nodes of the cluster")
     gpus_per_node: NonNegativeInt = Field(8, description="GPUs on each node")
     gpu_memory_gb: PositiveFloat = Field(80.0, description="memory of each GPU, in GB (10^9 bytes)")
+    gpu_tflops: PositiveFloat = Field(989.0, description="peak dense bf16 TFLOP/s of each GPU (H100 SXM: 989), "
+                                      "for the plan's estimate of each layout's step time")
 
 
 class PlanConfig(Strict):
