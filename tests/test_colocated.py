@@ -20,6 +20,8 @@ from tests.conftest import assert_same_training, make_config, run_killing, run_t
 
 CHEAP_TERMS = ("reward.terms={aesthetic: {fn: aesthetic, weight: 1.0, model: 'tiny:aesthetic', actors: 1}, "
                "format: {fn: format, weight: 0.25}, faithful: {fn: faithful, weight: 0.25}}")
+TINY_SD3 = ("experts.generator.model={kind: diffusers_flow, path: tiny:sd3, max_sequence_length: 16, "
+            "lora: {r: 4, alpha: 8}}")
 FLUX2 = "experts.generator.model={kind: diffusers_flow, path: tiny:flux2_klein, max_sequence_length: 16}"
 
 # name -> (preset, overrides of both layouts, overrides of the colocated run only)
@@ -166,3 +168,46 @@ def test_offload_moves_the_optimizer_state_and_reference_to_the_host_and_back():
     assert torch.equal(state["exp_avg_sq"], moments + 1) and reference.where == torch.device("cuda:0")
     with on_host(optimizer, reference, ["reference"]):
         assert state["exp_avg"].device.type == "cuda" and reference.where.type == "cpu"
+
+
+def test_the_plan_counts_a_colocated_rank_its_rollout_and_offload_and_no_worker():
+    """A tiny SD3 generator (LoRA) on a GPU target: colocated, the generator rank holds the front end and its rollout's
+    working set beyond the update's activations, its transformer once; no rollout worker is
+    planned; offloading the optimizer takes its moments off the rollout phase, byte for byte."""
+    from driver.plan import config_target, plan_for
+
+    def generator(*overrides):
+        config = resolve_config("shapes-tiny", [TINY_SD3, "experts.generator.micro_batch=1", *overrides])
+        plan = plan_for(config, config_target(config))
+        return plan, plan.actors["expert/generator"].bytes
+    separate, alone = generator()
+    plan, held = generator("cluster.layout=colocated")
+    _, offloaded = generator("cluster.layout=colocated", "cluster.offload=[optimizer]")
+    assert any(n.startswith("rollout/") for n in separate.actors) and not any(n.startswith("rollout/") for n in plan.actors)
+    assert {k: v for k, v in held.items() if not k.startswith("rollout: ")} == alone
+    assert held["rollout: weights: vae"] > 0 and not any(k == "rollout: weights: generator" for k in held)
+    beyond = [k for k in held if k.startswith("rollout: working set")][0]
+    assert held[beyond] > held["optimizer (fp32 AdamW moments)"]
+    assert held[beyond] - offloaded[beyond] == held["optimizer (fp32 AdamW moments)"]
+
+
+def test_the_plan_estimates_each_layouts_step_from_its_phases_and_names_the_faster(capsys):
+    """With given per-sample costs the estimate is the module's arithmetic: 8 samples, 6 refined, the
+    generator on 2 ranks, one worker. Then a tiny build's costs measured here, through the CLI."""
+    from driver.layout_plan import PhaseCosts, compare
+    from driver.plan import Target
+    config = resolve_config("shapes-tiny", ["experts.n_refiners=1", "experts.generator.parallel.ranks=2"])
+    costs = PhaseCosts({"refiner_0": 1.0}, 2.0, {"generator": 3.0, "refiner_0": 1.0}, "given")
+    out = compare(config, Target(1, 0, 0.0, 0.0, "this machine"), costs)
+    assert (out["separate"].rollout_s, out["colocated"].rollout_s) == (1.0 * 6 + 2.0 * 8, 1.0 * 6 + 2.0 * 4)
+    assert out["separate"].update_s == out["colocated"].update_s == max(3.0 * 4, 1.0 * 6)
+    assert out["faster"] == "colocated" and (out["separate"].devices, out["colocated"].devices) == (4, 3)
+    two_workers = resolve_config("shapes-tiny", ["experts.n_refiners=1", "cluster.rollout_workers=2"])
+    out = compare(two_workers, Target(1, 0, 0.0, 0.0, "this machine"), costs)  # one generator rank, two workers
+    assert (out["separate"].rollout_s, out["colocated"].rollout_s) == (1.0 * 3 + 2.0 * 4, 1.0 * 6 + 2.0 * 8)
+    assert out["faster"] == "separate"
+    assert cli.main(["plan", "--config", "shapes-tiny", "--gpus", "0", "--json"]) == 0
+    layouts = json.loads(capsys.readouterr().out)["layouts"]
+    assert layouts["costs"]["source"].startswith("measured") and layouts["faster"] in ("separate", "colocated")
+    assert all(v > 0 for v in [layouts["costs"]["generate"], *layouts["costs"]["update"].values()])
+    assert layouts["colocated"]["devices"] == layouts["separate"]["devices"] - 1
