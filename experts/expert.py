@@ -168,10 +168,13 @@ class Expert:
         self.holds(version)
         if self.pipeline is None:
             self.pipeline = RolloutPipeline(self.config, scorers, self.device, served={})
-        self.pipeline.models[self.expert_id] = self.model  # built again under fsdp when the gang is formed
+        self.pipeline.models[self.expert_id] = self.model  # lent for this rollout (fsdp builds it anew per gang)
         self.pipeline.versions.update(versions)
-        with self.rolling_out():
-            return self.pipeline.run(step, samples, refinements)
+        try:
+            with self.rolling_out():
+                return self.pipeline.run(step, samples, refinements)
+        finally:
+            del self.pipeline.models[self.expert_id]
 
     def holds(self, version: int) -> None:
         if version != self.version:
