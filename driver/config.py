@@ -194,7 +194,8 @@ class ClusterConfig(Strict):
                                                               "inline: all in this process (for debugging)")
     address: str | None = Field(None, description="the Ray cluster to join; None: RAY_ADDRESS if set, else a "
                                                   "new local Ray")
-    rollout_workers: PositiveInt = Field(1, description="rollout workers sampling in parallel")
+    rollout_workers: PositiveInt = Field(1, description="rollout workers sampling in parallel (cluster.layout="
+                                                        "separate; colocated has none)")
     rollout_resources: Resources = Field(Resources(), description="what each rollout worker reserves from Ray")
     share_weights: bool = Field(True, description="CPU workers read weights from the object store, no private "
                                                   "copy")

@@ -1,8 +1,9 @@
 """`DriverActor`: the training loop. `train_step` is the algorithm and nothing else:
 
-prompts -> rollouts (refine, generate, reward: on every worker) -> advantages -> the N+1 expert
-updates, concurrently -> publish -> metrics row. The driver moves metadata and ObjectRefs only:
-token batches and trajectories travel from rollout workers to the experts through the object store.
+prompts -> rollouts (refine, generate, reward: on every worker, or on the experts' own ranks under
+`cluster.layout=colocated`) -> advantages -> the N+1 expert updates, concurrently -> publish ->
+metrics row. The driver moves metadata and ObjectRefs only: token batches and trajectories travel
+from those who roll out to the experts through the object store.
 Fault recovery and asynchronous bookkeeping live next to the engines, in the expert group and the
 rollout pool (cluster/), which share one fault counter.
 """

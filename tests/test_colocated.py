@@ -2,7 +2,7 @@
 
 The same seed gives the separate layout's metrics step for step (a rollout is a pure function of
 the step and the weights): in one process for every credit mode, one and three refiners, LoRA and
-full fine-tuning, tiny SD3 and FLUX.2 klein builds, with `cluster.offload`; on Ray with a refiner
+full fine-tuning, tiny SD3 and FLUX.2 klein (bf16) builds, with `cluster.offload`; on Ray with a refiner
 on two ddp ranks and the generator on two fsdp ranks, a rank killed mid-run. Checkpoints resume in
 either layout. Each axis is covered once in a few combined runs (the suite's time budget).
 """
@@ -22,7 +22,8 @@ CHEAP_TERMS = ("reward.terms={aesthetic: {fn: aesthetic, weight: 1.0, model: 'ti
                "format: {fn: format, weight: 0.25}, faithful: {fn: faithful, weight: 0.25}}")
 TINY_SD3 = ("experts.generator.model={kind: diffusers_flow, path: tiny:sd3, max_sequence_length: 16, "
             "lora: {r: 4, alpha: 8}}")
-FLUX2 = "experts.generator.model={kind: diffusers_flow, path: tiny:flux2_klein, max_sequence_length: 16}"
+FLUX2 = ("experts.generator.model={kind: diffusers_flow, path: tiny:flux2_klein, max_sequence_length: 16, "
+         "dtype: bfloat16}")  # trained in fp32, computed in bf16 (experts/precision.py) in both layouts
 
 # name -> (preset, overrides of both layouts, overrides of the colocated run only)
 CASES = {
@@ -33,7 +34,7 @@ CASES = {
     "tiny:sd3 LoRA, counterfactual": ("prompts-tiny", [CHEAP_TERMS, "experts.refiner_1.owns=[faithful]",
                                                        "algorithm.credit=counterfactual"],
                                       ["cluster.offload=[optimizer,reference]"]),
-    "tiny:flux2 full": ("shapes-tiny", [FLUX2, "experts.n_refiners=1", "algorithm.credit=per_expert",
+    "tiny:flux2 full, bf16": ("shapes-tiny", [FLUX2, "experts.n_refiners=1", "algorithm.credit=per_expert",
                                         "experts.generator.kl_beta=0.05"], ["cluster.offload=[optimizer]"]),
 }
 
