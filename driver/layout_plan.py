@@ -3,6 +3,8 @@ and estimated synchronous step time, and which is faster.
 
 The step's time, phases one after another, each as long as its busiest device: a phase costs its
 per-sample cost on one device times the samples that device takes.
+The two layouts are compared on the same devices: the separate layout's rollout workers are the
+colocated layout's extra generator ranks (`as_layout`).
 - separate: the rollout is every refiner's refinement and the generation of a worker's share, on
   `cluster.rollout_workers` workers; the weight sync is left out (bench/results/sync.md).
 - colocated: each refiner's ranks refine their share (the refiners at once), then the generator's
@@ -41,9 +43,10 @@ class PhaseCosts:
 
 @dataclass(frozen=True)
 class LayoutEstimate:
-    """One layout of a config: the devices holding a model, the largest bytes one of them holds
-    (per actor in `bytes`), and the estimated phases of a synchronous step."""
+    """One layout of a config: who rolls out (`shape`), the devices holding a model, the largest
+    bytes one of them holds (per actor in `bytes`), and the estimated phases of a synchronous step."""
     layout: str
+    shape: str
     devices: int
     bytes: dict[str, int]
     rollout_s: float
@@ -59,14 +62,24 @@ class LayoutEstimate:
 
 
 def as_layout(config: Config, layout: str) -> Config:
-    """`config` under `layout`, with the settings the other layout refuses dropped (staleness under
-    colocated, offload under separate)."""
+    """`config` under `layout` on the same devices: from separate to colocated the rollout workers'
+    devices become more ranks of the generator; from colocated to separate as many of the
+    generator's ranks become `cluster.rollout_workers` workers (where it has more ranks than that;
+    else the workers are devices more). The settings the other layout refuses are dropped
+    (staleness under colocated, offload under separate)."""
+    if config.cluster.layout == layout:
+        return config
     other = config.model_copy(deep=True)
     other.cluster.layout = layout
+    parallel, workers = other.experts.generator.parallel, config.cluster.rollout_workers
     if layout == "colocated":
         other.cluster.max_staleness = 0
+        parallel.ranks = min(parallel.ranks + workers, step_samples(config))
     else:
         other.cluster.offload = []
+        parallel.ranks = parallel.ranks - workers if parallel.ranks > workers else parallel.ranks
+    if parallel.ranks == 1:
+        parallel.defer_gradient_sync, parallel.reshard_after_forward = False, True
     return other
 
 
@@ -169,12 +182,14 @@ def estimate(config: Config, costs: PhaseCosts, target: Target) -> LayoutEstimat
         rollout = sum(costs.refine.values()) * math.ceil(n_refined / w) + costs.generate * math.ceil(n / w)
     plan = plan_for(config, target)
     held = {name: a.total for name, a in plan.actors.items() if name.startswith(("expert/", "rollout/"))}
-    return LayoutEstimate(config.cluster.layout, len(held), held, rollout, update)
+    shape = f"the generator on {ranks('generator')} rank(s)" + (
+        f" + {config.cluster.rollout_workers} rollout worker(s)" if config.cluster.layout == "separate" else "")
+    return LayoutEstimate(config.cluster.layout, shape, len(held), held, rollout, update)
 
 
 def compare(config: Config, target: Target, costs: PhaseCosts | None = None) -> dict:
-    """Both layouts of `config` (its expert ranks and workers as set) on `target`:
-    {"costs", "separate", "colocated", "faster"}; raises PlanError where a layout cannot fit."""
+    """Both layouts of `config` on the same devices (`as_layout`) on `target`: {"costs",
+    "separate", "colocated", "faster"}; a layout that cannot fit is the PlanError's message."""
     costs = costs or (measured_costs(config) if is_tiny(config) else flop_costs(config, config.plan.target.gpu_tflops))
     out = {}
     for layout in LAYOUTS:
@@ -204,7 +219,7 @@ def compare_report(comparison: dict) -> str:
         if not isinstance(e, LayoutEstimate):
             lines.append(f"  {layout:9s}: cannot fit: {e}")
             continue
-        lines.append(f"  {layout:9s}: {e.devices} devices, at most {e.peak_bytes / 1e9:.2f} GB on one; "
+        lines.append(f"  {layout:9s}: {e.shape}; {e.devices} devices, at most {e.peak_bytes / 1e9:.2f} GB on one; "
                      f"rollout {e.rollout_s:.3g} s + update {e.update_s:.3g} s = {e.step_s:.3g} s a step")
     other = [x for x in LAYOUTS if x != comparison["faster"]][0]
     if not isinstance(comparison[other], LayoutEstimate):

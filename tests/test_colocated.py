@@ -192,22 +192,30 @@ def test_the_plan_counts_a_colocated_rank_its_rollout_and_offload_and_no_worker(
 
 
 def test_the_plan_estimates_each_layouts_step_from_its_phases_and_names_the_faster(capsys):
-    """With given per-sample costs the estimate is the module's arithmetic: 8 samples, 6 refined, the
-    generator on 2 ranks, one worker. Then a tiny build's costs measured here, through the CLI."""
+    """With given per-sample costs the estimate is the module's arithmetic, both layouts on the same
+    4 devices: 8 samples, 6 refined; separate: the generator on 2 ranks and one worker, colocated:
+    the generator on 3 ranks. Then a tiny build's costs measured here, through the CLI."""
     from driver.layout_plan import PhaseCosts, compare
     from driver.plan import Target
+    here = Target(1, 0, 0.0, 0.0, "this machine")
     config = resolve_config("shapes-tiny", ["experts.n_refiners=1", "experts.generator.parallel.ranks=2"])
     costs = PhaseCosts({"refiner_0": 1.0}, 2.0, {"generator": 3.0, "refiner_0": 1.0}, "given")
-    out = compare(config, Target(1, 0, 0.0, 0.0, "this machine"), costs)
-    assert (out["separate"].rollout_s, out["colocated"].rollout_s) == (1.0 * 6 + 2.0 * 8, 1.0 * 6 + 2.0 * 4)
-    assert out["separate"].update_s == out["colocated"].update_s == max(3.0 * 4, 1.0 * 6)
-    assert out["faster"] == "colocated" and (out["separate"].devices, out["colocated"].devices) == (4, 3)
+    out = compare(config, here, costs)
+    assert (out["separate"].devices, out["colocated"].devices) == (4, 4)
+    assert (out["separate"].rollout_s, out["colocated"].rollout_s) == (1.0 * 6 + 2.0 * 8, 1.0 * 6 + 2.0 * 3)
+    assert (out["separate"].update_s, out["colocated"].update_s) == (max(3.0 * 4, 1.0 * 6), max(3.0 * 3, 1.0 * 6))
+    assert out["faster"] == "colocated"
+    colocated = resolve_config("shapes-tiny", ["experts.n_refiners=1", "experts.generator.parallel.ranks=3",
+                                               "cluster.layout=colocated"])
+    assert compare(colocated, here, costs)["separate"].shape == "the generator on 2 rank(s) + 1 rollout worker(s)"
+    # a refiner that refines slowly: two workers refine in parallel, its one rank alone
+    slow_refiner = PhaseCosts({"refiner_0": 10.0}, 0.0, {"generator": 0.0, "refiner_0": 0.0}, "given")
     two_workers = resolve_config("shapes-tiny", ["experts.n_refiners=1", "cluster.rollout_workers=2"])
-    out = compare(two_workers, Target(1, 0, 0.0, 0.0, "this machine"), costs)  # one generator rank, two workers
-    assert (out["separate"].rollout_s, out["colocated"].rollout_s) == (1.0 * 3 + 2.0 * 4, 1.0 * 6 + 2.0 * 8)
+    out = compare(two_workers, here, slow_refiner)
+    assert (out["separate"].rollout_s, out["colocated"].rollout_s) == (10.0 * 3, 10.0 * 6)
     assert out["faster"] == "separate"
     assert cli.main(["plan", "--config", "shapes-tiny", "--gpus", "0", "--json"]) == 0
     layouts = json.loads(capsys.readouterr().out)["layouts"]
     assert layouts["costs"]["source"].startswith("measured") and layouts["faster"] in ("separate", "colocated")
     assert all(v > 0 for v in [layouts["costs"]["generate"], *layouts["costs"]["update"].values()])
-    assert layouts["colocated"]["devices"] == layouts["separate"]["devices"] - 1
+    assert layouts["colocated"]["devices"] == layouts["separate"]["devices"]
