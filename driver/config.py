@@ -506,6 +506,13 @@ class Config(Strict):
         if c.offload and c.layout != "colocated":
             raise ValueError(f"cluster.offload={c.offload} with cluster.layout={c.layout}: only a rank that rolls "
                              f"out and then updates (cluster.layout=colocated) has a phase to offload for")
+        sharded = [e for e, spec in self.experts.sections().items()
+                   if spec.parallel.ranks > 1 and spec.parallel.strategy == "fsdp"
+                   and (e == "generator" or e in self.experts.active_refiners())]
+        if c.offload and sharded:
+            raise ValueError(f"cluster.offload={c.offload} with experts.{sharded[0]}.parallel.strategy=fsdp: an "
+                             f"fsdp rank's shards of the optimizer state and reference stay on its device (moving "
+                             f"them is not done here); set cluster.offload=[] or strategy=ddp")
         return self
 
     def owners(self) -> dict[str, list[str]]:

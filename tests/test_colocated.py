@@ -56,11 +56,14 @@ def test_colocated_gives_the_separate_layouts_metrics_in_one_process(case, tmp_p
     assert colocated[-1]["version/generator"] == 2
 
 
-def test_staleness_and_offload_outside_colocated_are_refused_naming_the_key():
+def test_staleness_and_offload_outside_colocated_or_under_fsdp_are_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"cluster.max_staleness=1 with cluster.layout=colocated"):
         resolve_config("shapes-tiny", ["cluster.layout=colocated", "cluster.max_staleness=1"])
     with pytest.raises(ConfigError, match=r"cluster.offload=\['optimizer'\] with cluster.layout=separate"):
         resolve_config("shapes-tiny", ["cluster.offload=[optimizer]"])
+    with pytest.raises(ConfigError, match=r"with experts.generator.parallel.strategy=fsdp"):
+        resolve_config("shapes-tiny", ["cluster.layout=colocated", "cluster.offload=[reference]",
+                                       "experts.generator.parallel.ranks=2", "experts.generator.parallel.strategy=fsdp"])
     assert cli.main(["train", "--config", "shapes-tiny", "--set", "cluster.layout=colocated",
                      "--set", "cluster.max_staleness=2"]) == 2
 
