@@ -101,7 +101,7 @@ class ExpertGroup:
         def alive():  # the sync actor and every worker answer once Ray has restarted them
             get([self.sync.registrations.remote(), *[w.version_vector.remote() for w in self.workers]])
         if not releases:
-            return SyncResult(0.0, None, None)
+            return SyncResult(0.0, None if self.workers else "none", None)
         out, faults = survive(attempt, alive, self.config.cluster.max_restarts)
         self.faults.sync_restarts += faults
         self.faults.sync_fallbacks += out.fallback is not None
@@ -127,17 +127,10 @@ class ExpertGroup:
         restored from its previous snapshot and given the same update again; its new snapshot must
         show this step's version."""
         def submit(e):
-            inputs = self.kinds[e].update_inputs(advantages, rollout.refined, rollout.outputs)
+            inputs = self.kinds[e].update_inputs(advantages, rollout.refined, rollout.outputs_for(e))
             return self.gangs[e].update(step, self.versions[e], *inputs), *self.gangs[e].snapshot()
 
-        def restore(e):
-            get(self.handles[e].info.remote())  # raises while Ray restarts it
-            self.gangs[e].restore(*self.snapshots[e])
-            self.nodes[e] = get(self.handles[e].node.remote())
-        for e in due:  # a gang with a restarted rank is made whole before anything is asked of it
-            _, faults = survive(lambda first, e=e: self.gangs[e].check(), lambda e=e: restore(e),
-                                self.config.cluster.max_restarts, lost=(GangBroken,))
-            self.faults.expert_restarts += faults
+        self.make_whole(due)
         calls = {e: submit(e) for e in due}
         for e in due:
             def attempt(first, e=e):
@@ -152,11 +145,28 @@ class ExpertGroup:
                 if (info.version, info.last_step) != (self.versions[e] + 1, step):
                     raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
                 return result, self.keep(snapshot, e)
-            (stats[e], self.snapshots[e]), faults = survive(attempt, lambda e=e: restore(e),
+            (stats[e], self.snapshots[e]), faults = survive(attempt, lambda e=e: self.restore(e),
                                                             self.config.cluster.max_restarts,
                                                             lost=(StaleExpert, SnapshotLost))
             self.faults.expert_restarts += faults
             self.versions[e] = stats[e]["version"]
+
+    def restore(self, e: str) -> None:
+        """Expert `e`'s gang back to its last snapshot (raises RayActorError while Ray restarts a rank)."""
+        get(self.handles[e].info.remote())
+        self.gangs[e].restore(*self.snapshots[e])
+        self.nodes[e] = get(self.handles[e].node.remote())
+
+    def wait_alive(self, e: str) -> None:
+        """Return once every rank of `e` answers (raises RayActorError while Ray restarts one)."""
+        self.gangs[e].wait_alive()
+
+    def make_whole(self, expert_ids: list[str]) -> None:
+        """Every gang of `expert_ids` with a restarted rank restored before anything is asked of it."""
+        for e in expert_ids:
+            _, faults = survive(lambda first, e=e: self.gangs[e].check(), lambda e=e: self.restore(e),
+                                self.config.cluster.max_restarts, lost=(GangBroken,))
+            self.faults.expert_restarts += faults
 
     def saved_snapshots(self) -> dict[str, Snapshot]:
         """Every expert's latest snapshot as ObjectRefs, for a checkpoint's writer to fetch; a sharded

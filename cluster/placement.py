@@ -37,7 +37,7 @@ def demand(config) -> dict[str, dict[str, dict[str, float]]]:
     experts = {rank_name(e, r): bundle(config.expert(e).resources)
                for e in config.experts.ids() for r in range(config.expert(e).parallel.ranks)}
     workers = {f"rollout/{j}": bundle(config.cluster.rollout_resources)
-               for j in range(config.cluster.rollout_workers)}
+               for j in range(config.cluster.workers)}
     rewards = {f"reward/{term}/{k}": bundle(resources)
                for term, (n, resources) in config.reward.pools().items() for k in range(n)}
     groups = {"actors": {**experts, **workers, **rewards}} if config.cluster.colocate else {

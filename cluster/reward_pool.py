@@ -62,6 +62,18 @@ def spawn_pools(config, runtime) -> dict[str, list]:
             for term, names in pool_names(config).items()}
 
 
+def pooled_scorers(config, members, index: int, who: str) -> dict[str, "PooledTerm"]:
+    """term -> the scorer that asks its pool, for every pooled term, found among the run's
+    `members`; `index` spreads the callers (`who`, named in the error) over each pool."""
+    pools = pool_names(config)
+    if pools and members is None:
+        raise ValueError(f"{who}: reward.terms {sorted(pools)} are scored by reward actors; it needs the run's "
+                         f"members to find them")
+    return {term: PooledTerm([members(name) for name in names], index, config.cluster.max_restarts,
+                             config.reward.terms[term].images_per_call)
+            for term, names in pools.items()}
+
+
 class PooledTerm:
     """The scorer a rollout worker calls for a pooled term: a batch in calls of `images_per_call`
     (None: one call), each to the pool's next actor, all at once; the worker's first call goes to

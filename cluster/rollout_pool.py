@@ -32,12 +32,21 @@ class Rollout:
     outputs: list[RolloutOutputs]
     weights: dict[str, Release]
     meta: RolloutMeta | None = None
+    tokens: dict[str, list] = field(default_factory=dict)  # colocated: {refiner: its ranks' token batches}
+    refinements: list[dict] | None = None  # colocated: per sample {refiner: Refinement}, made before generating
     refined: np.ndarray = field(init=False)
     groups: np.ndarray = field(init=False)
 
     def __post_init__(self):
         self.refined = np.array([s.refine for s in self.samples])
         self.groups = np.array([s.group for s in self.samples])
+
+    def outputs_for(self, expert_id: str) -> list[RolloutOutputs]:
+        """The shares `expert_id`'s update reads: the workers' outputs, or under `cluster.layout=
+        colocated` a refiner's token batches from its own ranks."""
+        if expert_id in self.tokens:
+            return [RolloutOutputs(None, None, {expert_id: t}) for t in self.tokens[expert_id]]
+        return self.outputs
 
     @property
     def versions(self) -> dict[str, int]:

@@ -17,7 +17,7 @@ import torch
 
 from cluster.collective import BroadcastMember, GroupSpec, layout
 from cluster.recovery import NotSynced, this_node
-from cluster.reward_pool import PooledTerm, pool_names
+from cluster.reward_pool import pooled_scorers
 from cluster.runtime import Members
 from cluster.startup import reports_start
 from experts.devices import actor_device
@@ -41,14 +41,8 @@ class RolloutWorker(RolloutPipeline, BroadcastMember):
         """The terms with a pool of reward actors (cluster/reward_pool.py) are scored by them,
         found among the run's `members`; the other terms are scored here."""
         torch.set_num_threads(1)
-        pools = pool_names(config)
-        if pools and members is None:
-            raise ValueError(f"rollout/{index}: reward.terms {sorted(pools)} are scored by reward actors; "
-                             f"a worker needs the run's members to find them")
-        scorers = {term: PooledTerm([members(name) for name in names], index, config.cluster.max_restarts,
-                                    config.reward.terms[term].images_per_call)
-                   for term, names in pools.items()}
-        super().__init__(config, scorers, actor_device(config.cluster.rollout_resources))
+        super().__init__(config, pooled_scorers(config, members, index, f"rollout/{index}"),
+                         actor_device(config.cluster.rollout_resources))
         self.index = index
         self.held: dict[str, dict[int, dict]] = {eid: {} for eid in self.models}  # expert -> version -> tensors
         self.pinned: dict[str, set[int]] = {eid: set() for eid in self.models}  # older versions, for a redone rollout

@@ -30,7 +30,8 @@ LOG = logging.getLogger("jointrl.sync")
 
 
 class SyncResult(NamedTuple):
-    """How a publish went: its seconds, the path it took (collective, object_store) and, if a
+    """How a publish went: its seconds, the path it took (collective, object_store; none: there are
+    no rollout workers to deliver to, cluster.layout=colocated) and, if a
     broadcast failed and the object store delivered instead, why."""
     sync_s: float
     via: str
@@ -61,6 +62,9 @@ class WeightSyncActor:
         broadcast; if that fails the object store delivers them instead (and the group is formed
         anew before the next broadcast)."""
         start = time.perf_counter()
+        if not self.workers:  # cluster.layout=colocated: the experts roll out with the weights they hold
+            self.registry.update({eid: release.version for eid, release in releases.items()})
+            return SyncResult(time.perf_counter() - start, "none", None)
         acks, fallback, via = None, None, "object_store"
         if broadcast and self.collective:
             try:

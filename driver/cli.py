@@ -390,6 +390,7 @@ def run_download(args) -> int:
 def run_plan(args) -> int:
     """`jointrl plan`: the plan, as a report or JSON; with --place, the placement Ray gives it."""
     from driver.config import resolve_config
+    from driver.layout_plan import compare, compare_json, compare_report
     from driver.plan import PlanError, plan_for, report, target_for
     config = resolve_config(args.config, args.overrides)
     for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--gpu-memory", args.gpu_memory)):
@@ -404,10 +405,13 @@ def run_plan(args) -> int:
             placed = placed_ids(config, plan.gpu_groups(), plan.target.gpus, verbose=config.logging.ray_verbose)
         except PlacementError as e:
             raise PlanError(f"--place: {e}; everything reserved was released") from None
+    layouts = compare(config, plan.target)
     if args.json:
-        print(json.dumps({**plan.to_json(), **({"placed": placed} if placed is not None else {})}, indent=2))
+        print(json.dumps({**plan.to_json(), "layouts": compare_json(layouts),
+                          **({"placed": placed} if placed is not None else {})}, indent=2))
     else:
         print(report(plan))
+        print("\n" + compare_report(layouts))
         if placed is not None:
             print("\nplacement on Ray (GPU ids Ray gave each actor, beside the plan's):")
             for name, ids in placed.items():

@@ -194,7 +194,8 @@ class ClusterConfig(Strict):
                                                               "inline: all in this process (for debugging)")
     address: str | None = Field(None, description="the Ray cluster to join; None: RAY_ADDRESS if set, else a "
                                                   "new local Ray")
-    rollout_workers: PositiveInt = Field(1, description="rollout workers sampling in parallel")
+    rollout_workers: PositiveInt = Field(1, description="rollout workers sampling in parallel (cluster.layout="
+                                                        "separate; colocated has none)")
     rollout_resources: Resources = Field(Resources(), description="what each rollout worker reserves from Ray")
     share_weights: bool = Field(True, description="CPU workers read weights from the object store, no private "
                                                   "copy")
@@ -210,11 +211,25 @@ class ClusterConfig(Strict):
                                                          "updates (off-policy by up to k versions); 0: in lockstep")
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
         "pack", description="Ray placement strategy of the reserved bundles")
-    colocate: bool = Field(True, description="false: experts and rollout workers in separate placement groups")
+    colocate: bool = Field(True, description="placement only: false puts experts and rollout workers in "
+                                             "separate placement groups (cluster.layout says who rolls out)")
+    layout: Literal["separate", "colocated"] = Field(
+        "separate", description="who rolls out: separate: rollout workers hold inference copies and every new "
+                                "version is synced to them; colocated: no rollout workers, each expert's own ranks "
+                                "roll out their share with their current weights, then update (no weight sync; "
+                                "synchronous only)")
+    offload: list[Literal["optimizer", "reference"]] = Field(
+        [], description="under layout=colocated: what each expert rank moves to host memory while it rolls out "
+                        "and back to its device for the update (the optimizer state, the frozen reference)")
     placement_timeout_s: PositiveFloat = Field(120.0, description="seconds to wait for the bundles; then the run "
                                                                   "stops, naming those it could not place")
     max_restarts: NonNegativeInt = Field(3, description="per actor: Ray restarts it this often, the driver "
                                                         "restores its state")
+
+    @property
+    def workers(self) -> int:
+        """The rollout workers the layout spawns: none where the experts roll out themselves."""
+        return 0 if self.layout == "colocated" else self.rollout_workers
 
 
 class RolloutConfig(Strict):
@@ -235,6 +250,8 @@ class PlanTarget(Strict):
     nodes: PositiveInt = Field(1, description="nodes of the cluster")
     gpus_per_node: NonNegativeInt = Field(8, description="GPUs on each node")
     gpu_memory_gb: PositiveFloat = Field(80.0, description="memory of each GPU, in GB (10^9 bytes)")
+    gpu_tflops: PositiveFloat = Field(989.0, description="peak dense bf16 TFLOP/s of each GPU (H100 SXM: 989), "
+                                      "for the plan's estimate of each layout's step time")
 
 
 class PlanConfig(Strict):
@@ -483,6 +500,30 @@ class Config(Strict):
             if self.cluster.sync == "collective":
                 raise ValueError(f"experts.{eid}.parallel.ranks={ranks} with cluster.sync=collective: an expert of "
                                  f"several ranks publishes through the object store (cluster.sync=object_store)")
+        return self
+
+    @model_validator(mode="after")
+    def _layout(self):
+        """Colocated experts roll out with the weights they hold now: nothing runs ahead of them."""
+        c = self.cluster
+        if c.layout == "colocated" and c.max_staleness:
+            raise ValueError(f"cluster.max_staleness={c.max_staleness} with cluster.layout=colocated: the experts "
+                             f"roll out with their current weights, so a step cannot run ahead of the updates; "
+                             f"set cluster.max_staleness=0 or cluster.layout=separate")
+        if c.layout == "colocated" and self.evaluation.every:
+            raise ValueError(f"evaluation.every={self.evaluation.every} with cluster.layout=colocated: evaluation "
+                             f"during training draws on a rollout worker, which this layout has none of; set "
+                             f"evaluation.every=0 and run `jointrl eval --run RUN_DIR` on its checkpoints")
+        if c.offload and c.layout != "colocated":
+            raise ValueError(f"cluster.offload={c.offload} with cluster.layout={c.layout}: only a rank that rolls "
+                             f"out and then updates (cluster.layout=colocated) has a phase to offload for")
+        sharded = [e for e, spec in self.experts.sections().items()
+                   if spec.parallel.ranks > 1 and spec.parallel.strategy == "fsdp"
+                   and (e == "generator" or e in self.experts.active_refiners())]
+        if c.offload and sharded:
+            raise ValueError(f"cluster.offload={c.offload} with experts.{sharded[0]}.parallel.strategy=fsdp: an "
+                             f"fsdp rank's shards of the optimizer state and reference stay on its device (moving "
+                             f"them is not done here); set cluster.offload=[] or strategy=ddp")
         return self
 
     def owners(self) -> dict[str, list[str]]:

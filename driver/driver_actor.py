@@ -1,8 +1,9 @@
 """`DriverActor`: the training loop. `train_step` is the algorithm and nothing else:
 
-prompts -> rollouts (refine, generate, reward: on every worker) -> advantages -> the N+1 expert
-updates, concurrently -> publish -> metrics row. The driver moves metadata and ObjectRefs only:
-token batches and trajectories travel from rollout workers to the experts through the object store.
+prompts -> rollouts (refine, generate, reward: on every worker, or on the experts' own ranks under
+`cluster.layout=colocated`) -> advantages -> the N+1 expert updates, concurrently -> publish ->
+metrics row. The driver moves metadata and ObjectRefs only: token batches and trajectories travel
+from those who roll out to the experts through the object store.
 Fault recovery and asynchronous bookkeeping live next to the engines, in the expert group and the
 rollout pool (cluster/), which share one fault counter.
 """
@@ -17,6 +18,7 @@ import ray
 from algorithm.batch import step_samples
 from algorithm.credit import advantages, total_reward
 from algorithm.staleness import lags, within
+from cluster.colocated import ColocatedRollouts
 from cluster.expert_actor import ExpertActor
 from cluster.expert_group import ExpertGroup
 from cluster.placement import Placement
@@ -60,7 +62,8 @@ class DriverActor:
         self.start_step, states = checkpoint.load(Path(resume), config.experts.ids()) if resume else (0, {})
         runtime = Runtime(config.cluster.mode, config.trainer.run_name, config.cluster.max_restarts, placement)
         self.placement, self.faults = placement, FaultCounts()
-        self.rollouts = RolloutPool(config, runtime, self.faults, self.samples)
+        pool = ColocatedRollouts if config.cluster.layout == "colocated" else RolloutPool
+        self.rollouts = pool(config, runtime, self.faults, self.samples)
         self.experts = ExpertGroup(config, runtime, self.faults, self.rollouts.workers, states, expert_cls)
         if resume:
             self.rollouts.resubmit(checkpoint.load_in_flight(Path(resume)), self.start_step, self.experts)

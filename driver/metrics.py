@@ -44,7 +44,7 @@ def step_row(step: int, config, meta, total: np.ndarray, valid: np.ndarray, refi
                                       for e, terms in meta.counterfactual.items()}, total, valid),
             "sample/refinements": meta.refinements[0],
             **staleness_metrics(lag, meta.valid, valid),
-            "sync/via": sync.via,  # collective, object_store (also a collective run's fallback), None
+            "sync/via": sync.via,  # collective, object_store (also a collective run's fallback), none (colocated), None
             "time/rollout_s": meta.busy_s, "time/update_s": timings["update_s"], "time/sync_s": sync.sync_s,
             "time/idle_s": max(0.0, timings["step_s"] - meta.busy_s), "time/step_s": timings["step_s"]}
 

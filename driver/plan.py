@@ -28,6 +28,9 @@ Conventions counted (those the experts implement, stated once here):
 - The refiner's update: `experts.refiner_<i>.micro_batch` sequences per backward pass (None: the
   rank's share), logits (fp32) only at the generated tokens; sequences are PROMPT_TOKENS of chat
   context plus `max_new_tokens`.
+- Under `cluster.layout=colocated` there is no rollout worker: each expert rank rolls out its share
+  with the weights it trains and holds the rest of what a worker would for its own model
+  (`colocated_rank`).
 - A rollout worker: inference copies of every expert in the model's dtype, the generator's frozen
   front end (text encoders and VAE), the text-feature cache bound (`rollout.text_cache_mb`), and
   one chunk of `rollout.batch_size` samples (None: its whole share) at a time: its refiners'
@@ -317,20 +320,27 @@ def reward_parts(term) -> tuple[dict[str, int], dict[str, int]]:
     return params, parts
 
 
-def rollout_worker(config: Config, j: int) -> ActorPlan:
+def rollout_parts(config: Config, share: int, experts: set[str]) -> tuple[dict, dict, dict]:
+    """(parameter counts, bytes by part, working set by phase) of rolling out `share` samples with
+    the models of `experts` (refiner ids; "generator": with its front end, and the reward terms
+    scored where it samples), one chunk of `rollout.batch_size` at a time."""
     spec = config.experts.generator
-    workers = config.cluster.rollout_workers
-    share = math.ceil(step_samples(config) / workers)
     chunk = min(config.rollout.batch_size or share, share)
+    refiners = {e: r for e, r in config.experts.active_refiners().items() if e in experts}
     params, parts, working = {}, {}, {}
-    for eid, r in config.experts.active_refiners().items():
+    for eid, r in refiners.items():
         if r.model.kind == "tiny_lm":
+            from experts.kinds import build_model
+            params[eid] = sum(p.numel() for p in build_model(config, eid, fresh=True).parameters())
+            parts[f"weights: {eid}"] = 4 * params[eid]
             continue
         arch = lm_architecture(r.model)
         params[eid] = arch.params
         parts[f"weights: {eid}"] = arch.params * DTYPE_BYTES[r.model.dtype] + arch.lora * 4
         seq = PROMPT_TOKENS + r.max_new_tokens
         working[f"refine: {eid}"] = chunk * (seq * (arch.kv_per_token + arch.working_set_per_token) + arch.vocab * 4 * 2)
+    if "generator" not in experts:
+        return params, parts, working
     m = spec.model
     if m.kind == "diffusers_flow":
         arch = generator_architecture(m, config.task.image_size, config.task.image_width, config.task.num_frames)
@@ -353,11 +363,6 @@ def rollout_worker(config: Config, j: int) -> ActorPlan:
         parts["weights: text_encoder"] = 4 * params["text_encoder"]
         side = config.task.image_size
         parts["trajectories (one chunk)"] = chunk * (spec.sample_steps + 1) * 3 * side * side * 4 * 2
-    for eid, r in config.experts.active_refiners().items():
-        if r.model.kind == "tiny_lm":
-            from experts.kinds import build_model
-            params[eid] = sum(p.numel() for p in build_model(config, eid, fresh=True).parameters())
-            parts[f"weights: {eid}"] = 4 * params[eid]
     parts["text cache (rollout.text_cache_mb)"] = int(config.rollout.text_cache_mb * MIB)
     pooled = config.reward.pools()
     for name, term in config.reward.terms.items():
@@ -367,6 +372,14 @@ def rollout_worker(config: Config, j: int) -> ActorPlan:
         params.update(term_params)
         parts.update({k: v for k, v in term_parts.items() if k.startswith("weights")})
         working[f"reward: {name}"] = sum(v for k, v in term_parts.items() if k.startswith("activations"))
+    return params, parts, working
+
+
+def rollout_worker(config: Config, j: int) -> ActorPlan:
+    workers = config.cluster.rollout_workers
+    share = math.ceil(step_samples(config) / workers)
+    chunk = min(config.rollout.batch_size or share, share)
+    params, parts, working = rollout_parts(config, share, {"generator", *config.experts.active_refiners()})
     if working:
         phase = max(working, key=working.get)
         parts[f"working set of one chunk of {chunk} ({phase})"] = working[phase]
@@ -374,6 +387,33 @@ def rollout_worker(config: Config, j: int) -> ActorPlan:
               "fewer rollout workers (cluster.rollout_workers) if GPUs are short"]
     return ActorPlan(f"rollout/{j}", "rollout", wants_gpu(config.cluster.rollout_resources), params,
                      {k: int(v) for k, v in parts.items()}, advice)
+
+
+OFFLOADED = {"optimizer": "optimizer (", "reference": "reference copy ("}  # cluster.offload -> its parts' names
+
+
+def colocated_rank(config: Config, a: ActorPlan) -> ActorPlan:
+    """Expert rank `a` under `cluster.layout=colocated`: it also rolls out its share with the weights
+    it trains (held once: no inference copy), holding its front end, the text cache and the terms
+    scored there besides. Phases run one after another: the rollout's working set replaces the
+    update's activations, and the parts `cluster.offload` names are in host memory meanwhile, so its
+    peak is the larger phase's: the update's bytes, plus what the rollout needs beyond them."""
+    e = expert_of(a.name)
+    ranks = config.expert(e).parallel.ranks if config.cluster.mode == "ray" else 1
+    samples = step_samples(config) if e == "generator" else refined_samples(config)
+    share = math.ceil(samples / ranks)
+    params, parts, working = rollout_parts(config, share, {e})
+    held = {k: v for k, v in parts.items() if k != f"weights: {e}"}
+    away = sum(v for k, v in a.bytes.items() if k.startswith("activations")
+               or any(k.startswith(OFFLOADED[o]) for o in config.cluster.offload))
+    beyond = max(0, max(working.values(), default=0) - away)
+    chunk = min(config.rollout.batch_size or share, share)
+    out = {**a.bytes, **{f"rollout: {k}": v for k, v in held.items()},
+           f"rollout: working set of one chunk of {chunk} beyond the update's": beyond}
+    notes = [*a.notes, f"colocated: rolls out {share} sample(s) with the weights it trains; offloaded while "
+                       f"rolling out: {config.cluster.offload or 'nothing'}"]
+    return ActorPlan(a.name, "always", a.wants_gpu, {**params, **a.params}, {k: int(v) for k, v in out.items()},
+                     [*a.advice, "cluster.offload=[optimizer, reference] (host memory while rolling out)"], notes)
 
 
 def reward_actor(config: Config, term_name: str, k: int) -> ActorPlan:
@@ -391,8 +431,9 @@ def actors_of(config: Config) -> dict[str, ActorPlan]:
         spec = config.expert(eid)
         ranks = spec.parallel.ranks if config.cluster.mode == "ray" else 1
         for r in range(ranks):
-            out.append(generator_expert(config, r) if eid == "generator" else refiner_expert(config, eid, r))
-    out += [rollout_worker(config, j) for j in range(config.cluster.rollout_workers)]
+            rank = generator_expert(config, r) if eid == "generator" else refiner_expert(config, eid, r)
+            out.append(colocated_rank(config, rank) if config.cluster.layout == "colocated" else rank)
+    out += [rollout_worker(config, j) for j in range(config.cluster.workers)]
     out += [reward_actor(config, t, k) for t, (n, _) in config.reward.pools().items() for k in range(n)]
     out += [driver_actor(config, out), ActorPlan("weight_sync", "always", False, {}, {})]
     return {a.name: a for a in out}

@@ -185,6 +185,30 @@ def gathered_through_update(model: nn.Module, reference: nn.Module,
             m.reshard()
 
 
+@contextmanager
+def gathered_for_rollout(model: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
+    """fsdp under `cluster.layout=colocated`: within it every unit of the sharded `model` is whole
+    (gathered once on entering, a collective every rank makes in the same order) and stays whole
+    through any number of forward passes, which then need no collective: the ranks sample shares
+    that differ in their passes (a counterfactual drawn here and not there) without waiting on each
+    other. Sharded again after, each unit as `shard` set it."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    # FSDP2 makes whichever unit runs forward first the root of its own tree: a sampler that calls a
+    # block directly (a refiner's token loop) must find the model's root set up first
+    model._get_fsdp_state()._lazy_init()
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in blocks(model):
+            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+        for unit in units:
+            unit.reshard()
+
+
 def sum_gradients(params: list[nn.Parameter]) -> None:
     """`ddp`: every rank's gradients replaced by their sum over ranks, in one all-reduce."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

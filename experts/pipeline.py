@@ -118,16 +118,36 @@ def joined_results(parts: list[dict]) -> dict:
     return {k: join([p[k] for p in parts]) for k in parts[0]}
 
 
+def refine_samples(model, expert_id: str, seed: int, step, samples: list,
+                   device: torch.device) -> tuple[list, dict]:
+    """One refiner's refinement of every sample in `samples`, from its own seeded draws: (per sample
+    its Refinement, its token batch for the update). Rollout workers call it for each refiner; under
+    `cluster.layout=colocated` each refiner rank calls it on its share with the weights it trains."""
+    if not samples:
+        return [], {"prompts": []}
+    prompts = [model.prompt_ids(s.prompt) for s in samples]
+    uniforms = torch.stack([torch.rand(model.max_new_tokens, generator=generator(
+        seed, "tokens", step, s.sample, expert_id)) for s in samples])
+    drawn, logps, mask = (t.cpu() for t in model.sample(prompts, uniforms.to(device)))
+    refinements = [model.refinement(drawn[row].tolist(), mask[row].tolist()) for row in range(len(samples))]
+    return refinements, {"prompts": prompts, "tokens": drawn.numpy(), "logps": logps.numpy(), "mask": mask.numpy()}
+
+
 class RolloutPipeline:
-    def __init__(self, config, scorers: dict | None = None, device: torch.device = torch.device("cpu")):
+    def __init__(self, config, scorers: dict | None = None, device: torch.device = torch.device("cpu"),
+                 served: dict[str, torch.nn.Module] | None = None):
         """`scorers`: term name -> the callable that scores it, for terms scored elsewhere (a pool
         of reward actors); every other term's scorer is built here, on `device`. A term's
-        `per_frame` chooses its frames here, before a pool is called."""
+        `per_frame` chooses its frames here, before a pool is called. `served`: the models it
+        samples with, where they are another's (a colocated generator rank's own, which refines
+        nothing: its refinements are given to `run`); None: inference copies of every expert, built
+        here and loaded with the versions delivered (`load`)."""
         self.config, self.device = config, device
         self.task = build_task(config)
+        self.models = served if served is not None else {
+            eid: build_model(config, eid, device=device).eval().to(device) for eid in config.experts.ids()}
         self.refiner_ids = list(config.experts.active_refiners())
-        self.models = {eid: build_model(config, eid, device=device).eval().to(device) for eid in config.experts.ids()}
-        self.versions: dict[str, int | None] = {eid: None for eid in self.models}
+        self.versions: dict[str, int | None] = {eid: None for eid in config.experts.ids()}
         self.frontend = build_frontend(config, device)
         steps = config.experts.generator.sample_steps
         self.sigmas, self.sde = self.frontend.sigmas(steps), sde_steps(steps, config.experts.generator.sde_window)
@@ -153,23 +173,26 @@ class RolloutPipeline:
         size = self.config.rollout.batch_size or max(len(items), 1)
         return [(first, items[first:first + size]) for first in range(0, len(items), size)]
 
-    def run(self, step: int, samples: list) -> RolloutOutputs:
+    def run(self, step: int, samples: list, refinements: list[dict[str, Refinement]] | None = None) -> RolloutOutputs:
         """`samples` (algorithm.batch.Sample, in the step's order) rolled out with the weights served
-        now, chunk by chunk, and joined."""
+        now, chunk by chunk, and joined. `refinements` (per sample {refiner: Refinement}): made by the
+        refiners elsewhere (`refine_samples`), so none is made here and no token batch returned."""
         start = time.perf_counter()
-        parts = [self.run_chunk(step, chunk) for _, chunk in self.chunks(samples)]
+        parts = [self.run_chunk(step, chunk, None if refinements is None else refinements[at:at + len(chunk)])
+                 for at, chunk in self.chunks(samples)]
         hits, misses = self.frontend.take_stats()
         meta = replace(RolloutMeta.join([p.meta for p in parts]), cache_hits=hits, cache_misses=misses,
                        busy_s=time.perf_counter() - start)
         cond = self.models["generator"].merge_conditions([p.cond for p in parts])
         shard = trajectories(torch.cat([p.states for p in parts]), self.state_steps,
                              torch.cat([p.logps for p in parts]), cond, parts[0].shared, self.sigmas, self.sde)
-        tokens = {eid: joined_tokens([p.tokens[eid] for p in parts]) for eid in self.refiner_ids}
+        tokens = {eid: joined_tokens([p.tokens[eid] for p in parts]) for eid in parts[0].tokens}
         return RolloutOutputs(meta, shard, tokens)
 
-    def run_chunk(self, step: int, samples: list) -> Chunk:
-        """One chunk of a rollout, from refinement to reward, its outputs moved to the host."""
-        refinements, tokens = self.refine(step, samples)
+    def run_chunk(self, step: int, samples: list, refinements: list[dict] | None = None) -> Chunk:
+        """One chunk of a rollout, from refinement (unless its `refinements` are given) to reward,
+        its outputs moved to the host."""
+        refinements, tokens = self.refine(step, samples) if refinements is None else (refinements, {})
         noise = self.noise(step, samples)
         cond = self.frontend.condition([s.prompt for s in samples], refinements)
         states, logps = self.generate(cond, noise, sde=True)
@@ -232,22 +255,14 @@ class RolloutPipeline:
     def refine(self, step, samples: list):
         """Every refiner's refinement of the samples marked `refine`, each from its own seeded
         draws: (per sample {refiner: Refinement}, {refiner: its token batch for the update})."""
-        seed = self.config.trainer.seed
         refined = [i for i, s in enumerate(samples) if s.refine]
         refinements: list[dict[str, Refinement]] = [{} for _ in samples]
         tokens = {}
-        for eid in self.refiner_ids:
-            model = self.models[eid]
-            if not refined:
-                tokens[eid] = {"prompts": []}
-                continue
-            prompts = [model.prompt_ids(samples[i].prompt) for i in refined]
-            uniforms = torch.stack([torch.rand(model.max_new_tokens, generator=generator(
-                seed, "tokens", step, samples[i].sample, eid)) for i in refined])
-            drawn, logps, mask = (t.cpu() for t in model.sample(prompts, uniforms.to(self.device)))
-            for row, i in enumerate(refined):
-                refinements[i][eid] = model.refinement(drawn[row].tolist(), mask[row].tolist())
-            tokens[eid] = {"prompts": prompts, "tokens": drawn.numpy(), "logps": logps.numpy(), "mask": mask.numpy()}
+        for eid in [e for e in self.refiner_ids if e in self.models]:
+            made, tokens[eid] = refine_samples(self.models[eid], eid, self.config.trainer.seed, step,
+                                               [samples[i] for i in refined], self.device)
+            for i, refinement in zip(refined, made):
+                refinements[i][eid] = refinement
         return refinements, tokens
 
     def noise(self, step, samples: list) -> torch.Tensor:

@@ -1,0 +1,229 @@
+"""`jointrl plan`'s comparison of the two layouts (`cluster.layout`): each one's memory per device
+and estimated synchronous step time, and which is faster.
+
+The step's time, phases one after another, each as long as its busiest device: a phase costs its
+per-sample cost on one device times the samples that device takes.
+The two layouts are compared on the same devices: the separate layout's rollout workers are the
+colocated layout's extra generator ranks (`as_layout`).
+- separate: the rollout is every refiner's refinement and the generation of a worker's share, on
+  `cluster.rollout_workers` workers; the weight sync is left out (bench/results/sync.md).
+- colocated: each refiner's ranks refine their share (the refiners at once), then the generator's
+  ranks generate theirs.
+- both: the update is the slowest expert's share of its samples, on its `parallel.ranks` ranks.
+Per-sample costs: tiny builds are measured on this CPU (one step in-process after one that warms
+up); real models from FLOPs at the target GPU's peak (`plan.target.gpu_tflops`): a transformer's
+pass costs 2 x parameters x tokens, its backward pass twice that (once under LoRA: no weight
+gradients). Real steps take longer than that bound, by about the same factor in either layout, so
+the comparison holds where the absolute figure does not.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+from driver.config import Config
+from driver.plan import (PROMPT_TOKENS, PlanError, Target, guided, plan_for, refined_samples, step_samples,
+                         trained_steps)
+from experts.memory import generator_architecture, lm_architecture
+
+LAYOUTS = ("separate", "colocated")
+
+
+@dataclass(frozen=True)
+class PhaseCosts:
+    """Seconds one device takes per sample: each refiner's refinement (per refined sample), the
+    generation (sample, decode, score, counterfactual regenerations), each trained expert's update
+    (per sample it learns from); `source` says how they were found."""
+    refine: dict[str, float]
+    generate: float
+    update: dict[str, float]
+    source: str
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    """One layout of a config: who rolls out (`shape`), the devices holding a model, the largest
+    bytes one of them holds (per actor in `bytes`), and the estimated phases of a synchronous step."""
+    layout: str
+    shape: str
+    devices: int
+    bytes: dict[str, int]
+    rollout_s: float
+    update_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.rollout_s + self.update_s
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.bytes.values(), default=0)
+
+
+def as_layout(config: Config, layout: str) -> Config:
+    """`config` under `layout` on the same devices: from separate to colocated the rollout workers'
+    devices become more ranks of the generator; from colocated to separate as many of the
+    generator's ranks become `cluster.rollout_workers` workers (where it has more ranks than that;
+    else the workers are devices more). The settings the other layout refuses are dropped
+    (staleness under colocated, offload under separate)."""
+    if config.cluster.layout == layout:
+        return config
+    other = config.model_copy(deep=True)
+    other.cluster.layout = layout
+    parallel, workers = other.experts.generator.parallel, config.cluster.rollout_workers
+    if layout == "colocated":
+        other.cluster.max_staleness = 0
+        parallel.ranks = min(parallel.ranks + workers, step_samples(config))
+    else:
+        other.cluster.offload = []
+        parallel.ranks = parallel.ranks - workers if parallel.ranks > workers else parallel.ranks
+    if parallel.ranks == 1:
+        parallel.defer_gradient_sync, parallel.reshard_after_forward = False, True
+    return other
+
+
+def is_tiny(config: Config) -> bool:
+    """Whether every expert is a tiny build (a tiny kind or a `tiny:<kind>` model): measured here."""
+    def tiny(m) -> bool:
+        return m.kind in ("tiny_lm", "tiny_dit") or str(getattr(m, "path", "")).startswith("tiny:")
+    return all(tiny(config.expert(e).model) for e in config.experts.ids())
+
+
+def trained(config: Config) -> list[str]:
+    return [e for e in config.experts.ids() if config.expert(e).train]
+
+
+def flop_costs(config: Config, tflops: float) -> PhaseCosts:
+    """Per-sample costs from FLOPs at `tflops` (see the module docstring)."""
+    rate = tflops * 1e12
+    g = config.experts.generator
+    arch = generator_architecture(g.model, config.task.image_size)
+    tokens = arch.image_tokens + arch.text_tokens
+    algo = config.algorithm
+    redraws = algo.counterfactual_fraction * len(config.experts.active_refiners()) \
+        * refined_samples(config) / step_samples(config) if algo.credit == "counterfactual" else 0.0
+    text = 2 * sum(arch.frontend.values()) * arch.text_tokens  # the encoders' passes (the VAE's are left out)
+    generate = (1 + redraws) * (g.sample_steps * guided(g) * 2 * arch.transformer * tokens + text)
+
+    def backward(params: int, lora: bool) -> int:
+        return (4 if lora else 6) * params  # forward 2, backward 2 (+2 for the weights' gradients)
+    refine, update = {}, {}
+    for e, r in config.experts.active_refiners().items():
+        lm = lm_architecture(r.model)
+        seq = PROMPT_TOKENS + r.max_new_tokens
+        refine[e] = 2 * lm.params * seq / rate
+        update[e] = seq * (backward(lm.params, bool(r.model.lora)) + (2 * lm.params if r.kl_beta > 0 else 0)) / rate
+    passes = len(trained_steps(g)) * (guided(g) if g.train_cfg else 1)
+    update["generator"] = passes * tokens * (backward(arch.transformer, bool(g.model.lora))
+                                             + (2 * arch.transformer if g.kl_beta > 0 else 0)) / rate
+    return PhaseCosts(refine, generate / rate, {e: update[e] for e in trained(config)},
+                      f"FLOPs at {tflops:g} TFLOP/s per GPU (plan.target.gpu_tflops)")
+
+
+def measured_costs(config: Config) -> PhaseCosts:
+    """Per-sample costs of the config's tiny builds measured here, in one process on one thread:
+    step 0 warms up, step 1 is timed."""
+    import numpy as np
+    import torch
+
+    from algorithm.batch import step_samples as samples_of
+    from experts.expert import Expert
+    from experts.pipeline import RolloutPipeline, refine_samples
+    from tasks import build_task
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pipeline = RolloutPipeline(config)
+        experts = {e: Expert(config, e) for e in trained(config)}
+        prompts, t, a = build_task(config).train_prompts(), config.trainer, config.algorithm
+        draws = np.random.default_rng(t.seed)
+        for step in (0, 1):
+            samples = samples_of(prompts, step, t.seed, t.prompts_per_step, a.group_size, a.num_skip_refinement,
+                                 refine=not config.experts.generator_only)
+            refined = [s for s in samples if s.refine]
+            refinements, tokens, refine, update = [{} for _ in samples], {}, {}, {}
+            rows = [i for i, s in enumerate(samples) if s.refine]
+            for e in pipeline.refiner_ids:
+                start = time.perf_counter()
+                made, tokens[e] = refine_samples(pipeline.models[e], e, t.seed, step, refined, pipeline.device)
+                refine[e] = (time.perf_counter() - start) / max(len(refined), 1)
+                for i, refinement in zip(rows, made):
+                    refinements[i][e] = refinement
+            start = time.perf_counter()
+            out = pipeline.run(step, samples, refinements)
+            generate = (time.perf_counter() - start) / len(samples)
+            for e, expert in experts.items():
+                inputs = (draws.standard_normal(len(samples)), out.trajectories) if e == "generator" \
+                    else (draws.standard_normal(len(refined)), tokens[e])
+                start = time.perf_counter()
+                expert.update(step, expert.version, *inputs)
+                update[e] = (time.perf_counter() - start) / len(inputs[0])
+    finally:
+        torch.set_num_threads(threads)
+    return PhaseCosts(refine, generate, update, "measured on this machine's CPU (tiny builds; one thread)")
+
+
+def estimate(config: Config, costs: PhaseCosts, target: Target) -> LayoutEstimate:
+    """`config`'s layout (as it is set) on `target`: memory per device from the plan, phases from `costs`."""
+    n, n_refined = step_samples(config), refined_samples(config)
+
+    def ranks(e: str) -> int:
+        return config.expert(e).parallel.ranks if config.cluster.mode == "ray" else 1
+
+    def learns(e: str) -> int:
+        return n if e == "generator" else n_refined
+    update = max((cost * math.ceil(learns(e) / ranks(e)) for e, cost in costs.update.items()), default=0.0)
+    if config.cluster.layout == "colocated":
+        refine = max((cost * math.ceil(n_refined / ranks(e)) for e, cost in costs.refine.items()), default=0.0)
+        rollout = refine + costs.generate * math.ceil(n / ranks("generator"))
+    else:
+        w = config.cluster.rollout_workers
+        rollout = sum(costs.refine.values()) * math.ceil(n_refined / w) + costs.generate * math.ceil(n / w)
+    plan = plan_for(config, target)
+    held = {name: a.total for name, a in plan.actors.items() if name.startswith(("expert/", "rollout/"))}
+    shape = f"the generator on {ranks('generator')} rank(s)" + (
+        f" + {config.cluster.rollout_workers} rollout worker(s)" if config.cluster.layout == "separate" else "")
+    return LayoutEstimate(config.cluster.layout, shape, len(held), held, rollout, update)
+
+
+def compare(config: Config, target: Target, costs: PhaseCosts | None = None) -> dict:
+    """Both layouts of `config` on the same devices (`as_layout`) on `target`: {"costs",
+    "separate", "colocated", "faster"}; a layout that cannot fit is the PlanError's message."""
+    costs = costs or (measured_costs(config) if is_tiny(config) else flop_costs(config, config.plan.target.gpu_tflops))
+    out = {}
+    for layout in LAYOUTS:
+        try:
+            out[layout] = estimate(as_layout(config, layout), costs, target)
+        except PlanError as e:  # the other layout may not fit where the config's own does
+            out[layout] = str(e)
+    fits = [layout for layout in LAYOUTS if isinstance(out[layout], LayoutEstimate)]
+    return {"costs": costs, **out, "faster": min(fits, key=lambda layout: out[layout].step_s) if fits else None}
+
+
+def compare_json(comparison: dict) -> dict:
+    """The comparison for `jointrl plan --json` (a layout that cannot fit: {"error": why})."""
+    def one(e):
+        return {**asdict(e), "step_s": e.step_s, "peak_bytes": e.peak_bytes} if isinstance(e, LayoutEstimate) \
+            else {"error": e}
+    return {"costs": asdict(comparison["costs"]), "faster": comparison["faster"],
+            **{layout: one(comparison[layout]) for layout in LAYOUTS}}
+
+
+def compare_report(comparison: dict) -> str:
+    """The comparison as a person reads it."""
+    costs = comparison["costs"]
+    lines = [f"layouts (synchronous step; per-sample costs {costs.source}):"]
+    for layout in LAYOUTS:
+        e = comparison[layout]
+        if not isinstance(e, LayoutEstimate):
+            lines.append(f"  {layout:9s}: cannot fit: {e}")
+            continue
+        lines.append(f"  {layout:9s}: {e.shape}; {e.devices} devices, at most {e.peak_bytes / 1e9:.2f} GB on one; "
+                     f"rollout {e.rollout_s:.3g} s + update {e.update_s:.3g} s = {e.step_s:.3g} s a step")
+    other = [x for x in LAYOUTS if x != comparison["faster"]][0]
+    if not isinstance(comparison[other], LayoutEstimate):
+        return "\n".join(lines + [f"  faster: {comparison['faster'] or 'neither fits'}"])
+    ratio = comparison[comparison["faster"]].step_s / max(comparison[other].step_s, 1e-12)
+    lines.append(f"  faster: {comparison['faster']} ({ratio:.2f} x the {other} layout's step time)")
+    return "\n".join(lines)
