@@ -108,7 +108,7 @@ def sample_problems(config: Config) -> list[str]:
     from common.architectures import config_folder, index_class
     m, task = config.experts.generator.model, config.task
     split = config.experts.generator_low is not None
-    two = ("experts.generator_low is set, but experts.generator.model{{}} has no low-noise transformer to train as "
+    two = ("experts.generator_low is set, but experts.generator.model{} has no low-noise transformer to train as "
            "an expert of its own (transformer_2 with a boundary_ratio, as Wan2.2-T2V-A14B); unset "
            "experts.generator_low, and one expert trains the whole model")
     if m.kind != "diffusers_flow":
