@@ -126,6 +126,8 @@ def sample_problems(config: Config) -> list[str]:
         f"Wan2.2-T2V-A14B); unset it"]
     if split and not low:
         problems.append(two.format(f".path={m.path} ({family})"))
+    elif split:
+        problems += split_problems(config, folder, index)
     if family in VIDEO:
         from experts.wan import check_clip
         vae = json.loads((folder / "vae" / "config.json").read_text())
@@ -142,6 +144,24 @@ def sample_problems(config: Config) -> list[str]:
         problems.append(f"task.image_width={task.image_width}: {image}, whose images are square "
                         f"(task.image_size={task.image_size}); unset task.image_width")
     return problems
+
+
+def split_problems(config: Config, folder: Path, index: dict) -> list[str]:
+    """Under `experts.generator_low` each transformer's expert trains the trained steps it denoises:
+    both need one."""
+    from driver.plan import trained_steps
+    from experts.wan import euler_scheduler, split_steps
+    spec = config.experts.generator
+    scheduler = euler_scheduler(json.loads((folder / "scheduler" / "scheduler_config.json").read_text()))
+    scheduler.set_timesteps(spec.sample_steps)
+    steps = trained_steps(spec)
+    sides = split_steps(scheduler.sigmas, steps, scheduler.config.num_train_timesteps, index["boundary_ratio"])
+    return [f"experts.{eid} trains no step: of the trained steps {steps} (experts.generator.sample_steps="
+            f"{spec.sample_steps}, sde_window={spec.sde_window}, train_final_step={spec.train_final_step}) its "
+            f"{side}-noise transformer denoises none (steps whose sigma is "
+            f"{'at or above' if side == 'high' else 'below'} boundary_ratio {index['boundary_ratio']}: sigmas {[round(float(s), 4) for s in scheduler.sigmas]}); "
+            f"widen experts.generator.sde_window"
+            for eid, side in (("generator", "high"), ("generator_low", "low")) if not sides[side]]
 
 
 def missing(*modules: str) -> list[str]:

@@ -277,7 +277,8 @@ def measure(model: nn.Module, run, grad: bool = True) -> Pass:
 class GeneratorArchitecture:
     """The generator of a config, per sample: its transformer(s) (Wan2.2-A14B's two together, and each
     one's count), its frozen front end (text encoders and VAE) and adapter by parameter count, its
-    latent grid and token counts, and what one sample costs through the transformer (trained and sampled), the VAE and the text cache."""
+    latent grid and token counts, and what one sample costs through the transformer (trained and
+    sampled), the VAE and the text cache."""
     family: str
     transformer: int
     largest_block: int

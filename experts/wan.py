@@ -60,6 +60,28 @@ def check_clip(task, temporal: int, spatial: int, path: str) -> tuple[int, int, 
     return (n - 1) // temporal + 1, height // spatial, width // spatial
 
 
+def euler_scheduler(config):
+    """diffusers' FlowMatchEulerDiscreteScheduler of a Wan scheduler config (a mapping): its
+    num_train_timesteps and its shift (UniPC's `flow_shift`)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=config["num_train_timesteps"],
+                                           shift=config.get("flow_shift", config.get("shift", 1.0)))
+
+
+def high_noise(sigma: torch.Tensor, num_train_timesteps: int, boundary: float) -> torch.Tensor:
+    """Whether Wan2.2-A14B's high-noise transformer denoises at `sigma`: the pipeline's
+    t >= boundary_timestep, t = sigma x num_train_timesteps in float32 (`boundary`: boundary_ratio x
+    num_train_timesteps)."""
+    return sigma.float() * num_train_timesteps >= boundary
+
+
+def split_steps(sigmas: torch.Tensor, steps: list[int], num_train_timesteps: int,
+                boundary_ratio: float) -> dict[str, list[int]]:
+    """{"high", "low": the steps among `steps` each transformer of Wan2.2-A14B denoises}."""
+    high = high_noise(sigmas, num_train_timesteps, boundary_ratio * num_train_timesteps)
+    return {"high": [t for t in steps if high[t]], "low": [t for t in steps if not high[t]]}
+
+
 class Velocity(FamilyVelocity):
     """Wan's velocity. Under Wan2.2-A14B it holds the transformers of its `part`: "both" (one expert
     trains both), "high" (`transformer` alone: `experts.generator` when `experts.generator_low` is
@@ -108,7 +130,7 @@ class Velocity(FamilyVelocity):
         (True everywhere for a model of one transformer)."""
         if self.boundary is None:
             return torch.ones_like(sigma, dtype=torch.bool)
-        return sigma.float() * self.num_train_timesteps >= self.boundary
+        return high_noise(sigma, self.num_train_timesteps, self.boundary)
 
     def denoises(self, sigmas: torch.Tensor) -> torch.Tensor:
         """Per step (its sigma), whether a transformer this velocity holds denoises it: the steps it trains on."""
@@ -187,13 +209,10 @@ class FrontEnd(FamilyFrontEnd):
     COMPONENTS = ("scheduler", "vae", "text_encoder", "tokenizer")
 
     def __init__(self, config, device: torch.device):
-        from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+        from diffusers import WanPipeline
         super().__init__(config, device)
         self.pipeline = WanPipeline(transformer=None, transformer_2=None, **self.parts)
-        c = self.scheduler.config
-        # the Euler scheduler of the checkpoint's shift (a UniPC config names it flow_shift)
-        self.euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=c.num_train_timesteps,
-                                                     shift=c.get("flow_shift", c.get("shift", 1.0)))
+        self.euler = euler_scheduler(self.scheduler.config)  # of the checkpoint's shift
 
     def latent_grid(self, image_size: int) -> tuple[int, ...]:
         """(C, F', H', W') of clips of task.num_frames frames, task.image_size high and task.image_width

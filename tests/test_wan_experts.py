@@ -21,8 +21,8 @@ from tests.test_wan import CLIP
 
 MODEL = ("experts.generator.model={kind: diffusers_flow, path: 'tiny:wan2.2_a14b', max_sequence_length: 16, "
          "guidance_scale: 3.0, guidance_scale_2: 2.0, lora: {r: 4, alpha: 8}}")
-RUN = [MODEL, *CLIP, "experts.generator_only=true", "experts.generator.sample_steps=4", "experts.generator.kl_beta=0.05",
-       "experts.generator.lr=0.01", "trainer.prompts_per_step=1", "trainer.steps=3", "trainer.checkpoint_every=1",
+RUN = [MODEL, *CLIP, "experts.generator_only=true", "experts.generator.sample_steps=4",
+       "experts.generator.kl_beta=0.05", "experts.generator.lr=0.01", "trainer.prompts_per_step=1", "trainer.steps=3", "trainer.checkpoint_every=1",
        "cluster.rollout_workers=1", "reward.terms={clip: {fn: 'tests.test_wan:clip_brightness'}}"]
 SPLIT = "experts.generator_low={lr: 0.02, kl_beta: 0.1}"  # its own learning keys; the sampler's are the generator's
 BOUNDARY = 875.0
@@ -162,6 +162,8 @@ def test_the_plan_counts_each_transformer_alone():
     (["experts.generator_low={}"], ["experts.generator_low is set", "experts.generator.model.kind=tiny_dit"]),
     ([MODEL, *CLIP, "experts.generator_low={noise_level: 0.5}"],
      ["experts.generator_low.noise_level=0.5", "experts.generator.noise_level=0.7"]),
+    ([MODEL, *CLIP, "experts.generator_low={}", "experts.generator.sde_window=[2, 4]"],  # sigmas 1, .858, .602, .009
+     ["experts.generator trains no step", "[2, 3]", "high-noise", "widen experts.generator.sde_window"]),
     ([MODEL, *CLIP, "experts.generator_low.model.max_sequence_length=32"],
      ["experts.generator_low.model.max_sequence_length=32", "only its lora and dtype"]),
 ])
