@@ -68,7 +68,8 @@ LOW_NOISE_SHARED = ("owns", "noise_level", "sample_steps", "sde_window", "train_
 
 
 class ExpertsConfig(Strict):
-    """The experts: N refiners (`refiner_<i>`) and one generator. The one place that maps an expert id
+    """The experts: N refiners (`refiner_<i>`) and one generator (two experts where Wan2.2-A14B's
+    low-noise transformer is one of its own, `generator_low`). The one place that maps an expert id
     to its config section (`sections`) and spells a refiner's id (`refiner_id`)."""
     n_refiners: int = Field(3, ge=1, description="how many refiners; a refiner without a section of its own "
                                                  "takes `refiner_defaults`. `--set experts.n_refiners=K` keeps the "

@@ -140,8 +140,8 @@ class GeneratorKind(ExpertKind):
         if m.kind == "diffusers_flow":
             from common.hub import local_model
             from experts.families import family_module
-            # one seed for both parts: their adapters start as one expert's of both transformers would
-            seed = derive_seed(self.config.trainer.seed, "init", "generator" if self.part else self.expert_id)
+            # the generator's seed for both parts too: their adapters start as one expert's of both would
+            seed = derive_seed(self.config.trainer.seed, "init", "generator")
             return family_module(local_model(m.path, m.revision)).Velocity(
                 self.spec, seed, device, **({"part": self.part} if self.part else {}))
         from experts.dit import TinyDiT
