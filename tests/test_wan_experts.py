@@ -162,6 +162,8 @@ def test_the_plan_counts_each_transformer_alone():
     (["experts.generator_low={}"], ["experts.generator_low is set", "experts.generator.model.kind=tiny_dit"]),
     ([MODEL, *CLIP, "experts.generator_low={noise_level: 0.5}"],
      ["experts.generator_low.noise_level=0.5", "experts.generator.noise_level=0.7"]),
+    ([MODEL, *CLIP, "experts.generator_low={owns: [image]}"],  # one advantage for both: the generator's
+     ["experts.generator_low.owns=['image']", "experts.generator.owns=None", "their advantages"]),
     ([MODEL, *CLIP, "experts.generator_low={}", "experts.generator.sde_window=[2, 4]"],  # sigmas 1, .858, .602, .009
      ["experts.generator trains no step", "[2, 3]", "high-noise", "widen experts.generator.sde_window"]),
     ([MODEL, *CLIP, "experts.generator_low.model.max_sequence_length=32"],
