@@ -3,17 +3,22 @@ boundary at 0.875 x 1000): each expert trains exactly the transitions its transf
 together their gradients are one expert's training both (each averaged over its own transitions);
 they start from the very adapters one expert of both starts from; a run with both trained gives
 the same numbers inline and on Ray with either expert killed mid-run, and resumes exactly; the plan
-counts each transformer alone; a model without a low-noise transformer, or a sampler key set apart,
-exits 2 naming the key."""
+counts each transformer alone; a model without a low-noise transformer, a sampler key, model key or
+`owns` set apart, or trained steps that leave one side none, exit 2 naming the key."""
+import json
 import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from common.hub import local_model
+from algorithm.sde import sample
+from cluster.runtime import get
+from driver.launch import start_driver, stop_driver
 from experts.frontend import build_frontend
 from experts.kinds import build_model, expert_kind
+from experts.trajectories import split_shared, trajectories
+from experts.weights import reference_of
 from tasks.base import TextPrompt
 from tests.conftest import assert_same_training, make_config, run_killing, run_training
 from tests.family_check import PROMPTS, initial_latents
@@ -22,8 +27,9 @@ from tests.test_wan import CLIP
 MODEL = ("experts.generator.model={kind: diffusers_flow, path: 'tiny:wan2.2_a14b', max_sequence_length: 16, "
          "guidance_scale: 3.0, guidance_scale_2: 2.0, lora: {r: 4, alpha: 8}}")
 RUN = [MODEL, *CLIP, "experts.generator_only=true", "experts.generator.sample_steps=4",
-       "experts.generator.kl_beta=0.05", "experts.generator.lr=0.01", "trainer.prompts_per_step=1", "trainer.steps=3", "trainer.checkpoint_every=1",
-       "cluster.rollout_workers=1", "reward.terms={clip: {fn: 'tests.test_wan:clip_brightness'}}"]
+       "experts.generator.kl_beta=0.05", "experts.generator.lr=0.01", "trainer.prompts_per_step=1", "trainer.steps=3",
+       "trainer.checkpoint_every=1", "cluster.rollout_workers=1",
+       "reward.terms={clip: {fn: 'tests.test_wan:clip_brightness'}}"]
 SPLIT = "experts.generator_low={lr: 0.02, kl_beta: 0.1}"  # its own learning keys; the sampler's are the generator's
 BOUNDARY = 875.0
 
@@ -54,7 +60,7 @@ def test_each_expert_trains_its_side_and_the_two_gradients_are_one_experts(one_t
             model.load_state_dict({k: v for k, v in both.state_dict().items() if k in model.state_dict()},
                                   strict=False)
     frontend = build_frontend(both_cfg)
-    traj = trajectories(both, frontend)
+    traj = sampled_trajectories(both, frontend)
     steps_high = torch.as_tensor(traj.sigmas[:-1]) * 1000 >= BOUNDARY
     assert 0 < int(steps_high.sum()) < len(steps_high)  # both levels among the trained steps
     adv = torch.tensor([1.0, -0.5, 0.25])
@@ -63,7 +69,6 @@ def test_each_expert_trains_its_side_and_the_two_gradients_are_one_experts(one_t
         kind = expert_kind(cfg, eid)
         batch = kind.merge(model, [traj], torch.device("cpu"))
         model.zero_grad(set_to_none=True)
-        from experts.weights import reference_of
         loss, _ = kind.backward(model, reference_of(model), batch, adv)
         return batch["sde"], loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -85,16 +90,14 @@ def test_each_expert_trains_its_side_and_the_two_gradients_are_one_experts(one_t
     assert abs(all_loss) <= 1e-6, all_loss
 
 
-def trajectories(velocity, frontend):
+def sampled_trajectories(velocity, frontend):
     """Three samples' SDE trajectories over every step, with guidance (travelling form)."""
-    from algorithm.sde import sample
-    from experts.trajectories import split_shared, trajectories as travelling
     cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
     sigmas, sde = frontend.sigmas(4), torch.ones(4, dtype=torch.bool)
     noise = torch.stack([initial_latents(frontend, 5, seed=k) for k in range(len(PROMPTS))])
     states, logps = sample(lambda x, s: velocity(x, s, **cond), noise, sigmas, 0.7, sde)
     per_sample, shared = split_shared(cond)
-    return travelling(states, torch.arange(5), logps, per_sample, shared, sigmas, sde)
+    return trajectories(states, torch.arange(5), logps, per_sample, shared, sigmas, sde)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +130,6 @@ def test_ray_with_either_expert_killed_equals_inline(inline_run, ray_session, tm
 
 
 def test_a_run_resumed_after_step_1_equals_the_uninterrupted_one(inline_run, tmp_path):
-    from driver.launch import start_driver, stop_driver
-    from cluster.runtime import get
     run_dir, reference, _ = inline_run
     resumed = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed)
@@ -137,7 +138,6 @@ def test_a_run_resumed_after_step_1_equals_the_uninterrupted_one(inline_run, tmp
     driver = start_driver(cfg, resumed, resumed / "checkpoints" / "step_000001")
     get(driver.run.remote())
     stop_driver(driver)
-    import json
     rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert_same_training(rows, reference, tol=1e-6)
 
