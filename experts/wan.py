@@ -125,7 +125,7 @@ class Velocity(FamilyVelocity):
     def transformers(self) -> list:
         return list(self.held().values())
 
-    def high_noise(self, sigma: torch.Tensor) -> torch.Tensor:
+    def at_high_noise(self, sigma: torch.Tensor) -> torch.Tensor:
         """Whether the high-noise transformer denoises at `sigma`: the pipeline's t >= boundary_timestep
         (True everywhere for a model of one transformer)."""
         if self.boundary is None:
@@ -134,7 +134,7 @@ class Velocity(FamilyVelocity):
 
     def denoises(self, sigmas: torch.Tensor) -> torch.Tensor:
         """Per step (its sigma), whether a transformer this velocity holds denoises it: the steps it trains on."""
-        high = self.high_noise(sigmas)
+        high = self.at_high_noise(sigmas)
         return {"both": torch.ones_like(high), "high": high, "low": ~high}[self.part]
 
     def timestep(self, x: torch.Tensor, sigma: torch.Tensor, transformer=None) -> torch.Tensor:
@@ -168,7 +168,7 @@ class Velocity(FamilyVelocity):
         ({"high", "low": transformer}), each with its guidance scale."""
         if self.boundary is None:
             return self.guided(transformers["high"], self.spec.guidance_scale, x, sigma, cond)
-        high = self.high_noise(sigma)
+        high = self.at_high_noise(sigma)
         out = torch.empty_like(x, dtype=torch.float32)
         low_scale = self.spec.guidance_scale_2 if self.spec.guidance_scale_2 is not None else self.spec.guidance_scale
         for rows, side, scale in ((high, "high", self.spec.guidance_scale), (~high, "low", low_scale)):
