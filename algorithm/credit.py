@@ -13,6 +13,9 @@ shared:      every expert uses the total reward's advantage over the whole group
 per_expert:  refiner k uses the advantage of the terms it owns, normalised over the group's samples
              that it refined; the generator uses the total, or the terms it owns if the config
              says (`experts.generator.owns`, e.g. [image]: text terms are not its doing).
+             Where a generator's two transformers are two experts (Wan2.2-A14B's `generator_low`),
+             both learn from this one generator advantage, in every mode: they made the sample
+             together, each on its own steps.
 counterfactual: refiner k uses the difference reward D_k = R - R(without y_k), where R(without y_k)
              is the same sample regenerated from the same noise with y_k dropped; normalised over
              the group's samples that have one. This is the difference reward of multi-agent credit

@@ -155,7 +155,7 @@ def measure_child(path: str, image_size: int, text: int, checkpointing: bool) ->
     torch.set_num_threads(1)
     from experts.parallel import checkpoint_activations
     config = config_of(Path(path), image_size, text, checkpointing)
-    planned = generator_expert(config, 0).bytes
+    planned = generator_expert(config, "generator", 0).bytes
     policy = build_model(config, "generator")
     if checkpointing:
         checkpoint_activations(policy)

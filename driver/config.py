@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, NonNegativeFloat, NonNegativeInt, Positiv
     ValidationError, model_validator
 
 from common.config import Resources, Strict
-from experts.generator import GeneratorConfig
+from experts.generator import LOW_NOISE, GeneratorConfig
 from experts.refiner import RefinerConfig
 from experts.spec import TextEncoderConfig
 from tasks.rewards.term import TermConfig
@@ -62,8 +62,14 @@ def raw_section(section) -> dict:
     return section.model_dump(exclude_unset=True) if isinstance(section, BaseModel) else dict(section)
 
 
+# the keys of experts.generator_low that are the generator's: its sampler, and the credit of the trajectories
+LOW_NOISE_SHARED = ("owns", "noise_level", "sample_steps", "sde_window", "train_final_step", "same_initial_noise",
+                    "train_cfg")
+
+
 class ExpertsConfig(Strict):
-    """The experts: N refiners (`refiner_<i>`) and one generator. The one place that maps an expert id
+    """The experts: N refiners (`refiner_<i>`) and one generator (two experts where Wan2.2-A14B's
+    low-noise transformer is one of its own, `generator_low`). The one place that maps an expert id
     to its config section (`sections`) and spells a refiner's id (`refiner_id`)."""
     n_refiners: int = Field(3, ge=1, description="how many refiners; a refiner without a section of its own "
                                                  "takes `refiner_defaults`. `--set experts.n_refiners=K` keeps the "
@@ -81,6 +87,14 @@ class ExpertsConfig(Strict):
     generator_only: bool = Field(False, description="true: Flow-GRPO alone; no refiner is spawned, no prompt "
                                                     "refined")
     generator: GeneratorConfig = Field(GeneratorConfig(), description="the flow-matching image generator")
+    generator_low: GeneratorConfig | None = Field(
+        None, description="Wan2.2-A14B's low-noise transformer (transformer_2) as an expert of its own, trained "
+                          "only on the steps it denoises (sigma x num_train_timesteps below boundary_ratio x "
+                          "num_train_timesteps), with its own version, optimizer, snapshot, checkpoint and weight "
+                          "sync, from the generator's advantages; experts.generator is then the high-noise "
+                          "transformer alone. Every key it does not set is experts.generator's (but `init`); the "
+                          "sampler's keys and the model's but `lora` and `dtype` must be the generator's. None: "
+                          "experts.generator trains both transformers")
     text_encoder: TextEncoderConfig = Field(TextEncoderConfig(), description="the tiny generator's text encoder")
     base: str | None = Field(None, description="a `jointrl pretrain` output folder (`pretrain.out_dir`): every "
                                                "expert whose `init` is not set starts from the file made there for "
@@ -122,6 +136,40 @@ class ExpertsConfig(Strict):
         data["refiners"] = refiners
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _low_noise_section(cls, data):
+        """`experts.generator_low` takes every key of `experts.generator` it does not set, but `init`."""
+        if not isinstance(data, dict) or not isinstance(data.get("generator_low"), (dict, BaseModel)):
+            return data
+        generator = data.get("generator", {})
+        if not isinstance(generator, (dict, BaseModel)):
+            return data  # the schema names what is wrong with it
+        defaults = {k: v for k, v in raw_section(generator).items() if k != "init"}
+        return {**data, "generator_low": laid_over(defaults, raw_section(data["generator_low"]), GeneratorConfig)}
+
+    @model_validator(mode="after")
+    def _low_noise_twin(self):
+        """generator_low samples with the generator: one sampler, one model, one credit."""
+        low, generator = self.generator_low, self.generator
+        if low is None:
+            return self
+        for key in LOW_NOISE_SHARED:
+            if getattr(low, key) != getattr(generator, key):
+                raise ValueError(f"experts.generator_low.{key}={getattr(low, key)!r} differs from "
+                                 f"experts.generator.{key}={getattr(generator, key)!r}: the two transformers share "
+                                 f"the sampler, its trajectories and their advantages; set experts.generator.{key}")
+        if low.model.kind != generator.model.kind:
+            raise ValueError(f"experts.generator_low.model.kind={low.model.kind}: it is the low-noise transformer "
+                             f"of experts.generator.model ({generator.model.kind})")
+        own = low.model.model_dump(exclude={"lora", "dtype"})
+        for key, value in generator.model.model_dump(exclude={"lora", "dtype"}).items():
+            if own[key] != value:
+                raise ValueError(f"experts.generator_low.model.{key}={own[key]!r} differs from experts.generator."
+                                 f"model.{key}={value!r}: generator_low is the low-noise transformer of the "
+                                 f"generator's model; only its lora and dtype may differ")
+        return self
+
     @model_validator(mode="after")
     def _no_section_beyond_n(self):
         if len(self.refiners) > self.n_refiners:
@@ -136,8 +184,10 @@ class ExpertsConfig(Strict):
         return self
 
     def sections(self) -> dict[str, RefinerConfig | GeneratorConfig]:
-        """Every configured expert's section by expert id: the refiners, then the generator."""
-        return {**{self.refiner_id(i): r for i, r in enumerate(self.refiners)}, "generator": self.generator}
+        """Every configured expert's section by expert id: the refiners, then the generator (and its
+        low-noise transformer's, where it is an expert of its own)."""
+        low = {LOW_NOISE: self.generator_low} if self.generator_low is not None else {}
+        return {**{self.refiner_id(i): r for i, r in enumerate(self.refiners)}, "generator": self.generator, **low}
 
     def active_refiners(self) -> dict[str, RefinerConfig]:
         """The refiners this run spawns, by expert id (none in generator-only mode)."""
@@ -145,7 +195,7 @@ class ExpertsConfig(Strict):
             {e: s for e, s in self.sections().items() if isinstance(s, RefinerConfig)}
 
     def ids(self) -> list[str]:
-        return [*self.active_refiners(), "generator"]
+        return [*self.active_refiners(), "generator", *([LOW_NOISE] if self.generator_low is not None else [])]
 
 
 class AlgorithmConfig(Strict):
@@ -514,6 +564,10 @@ class Config(Strict):
             raise ValueError(f"evaluation.every={self.evaluation.every} with cluster.layout=colocated: evaluation "
                              f"during training draws on a rollout worker, which this layout has none of; set "
                              f"evaluation.every=0 and run `jointrl eval --run RUN_DIR` on its checkpoints")
+        if c.layout == "colocated" and self.experts.generator_low is not None:
+            raise ValueError("experts.generator_low with cluster.layout=colocated: a colocated generator rank "
+                             "samples with the one transformer it trains, and the low-noise one is another "
+                             "expert's (not done here); set cluster.layout=separate or experts.generator_low=null")
         if c.offload and c.layout != "colocated":
             raise ValueError(f"cluster.offload={c.offload} with cluster.layout={c.layout}: only a rank that rolls "
                              f"out and then updates (cluster.layout=colocated) has a phase to offload for")

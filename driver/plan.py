@@ -45,7 +45,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from driver.config import Config, ConfigError
-from experts.generator import GeneratorConfig
+from experts.generator import GeneratorConfig, transformer_part
 from experts.memory import DTYPE_BYTES, UnknownModel, generator_architecture, lm_architecture, reward_architecture
 
 GB = 1e9
@@ -198,9 +198,11 @@ def training_state(trained: int, frozen: int, dtype: str, ranks: int, fsdp: bool
             f"{'frozen base' if lora else 'reference copy'} ({dtype})": width * frozen // shard, **copies}
 
 
-def generator_expert(config: Config, rank: int) -> ActorPlan:
-    spec = config.experts.generator
-    name = "expert/generator" + (f"/rank{rank}" if rank else "")
+def generator_expert(config: Config, eid: str, rank: int) -> ActorPlan:
+    """A generator-kind expert's rank: the generator, or one of Wan2.2-A14B's two transformers when
+    each is an expert of its own (`experts.generator_low`), counted alone."""
+    spec = config.expert(eid)
+    name = f"expert/{eid}" + (f"/rank{rank}" if rank else "")
     par, m = spec.parallel, spec.model
     ranks, fsdp = par.ranks, par.strategy == "fsdp" and par.ranks > 1
     samples = step_samples(config)
@@ -209,34 +211,38 @@ def generator_expert(config: Config, rank: int) -> ActorPlan:
         return tiny_generator_expert(config, name, share)
     arch = generator_architecture(m, config.task.image_size, config.task.image_width, config.task.num_frames)
     width = DTYPE_BYTES[m.dtype]
-    trained, frozen = (arch.lora, arch.transformer) if m.lora else (arch.transformer, arch.transformer)
+    part = transformer_part(config, eid)
+    params, lora = arch.per_transformer["transformer_2" if part == "low" else "transformer"] if part \
+        else (arch.transformer, arch.lora)
+    trained, frozen = (lora, params) if m.lora else (params, params)
     parts = training_state(trained, frozen, m.dtype, ranks, fsdp, bool(m.lora)) if spec.train \
-        else {f"frozen weights ({m.dtype})": width * arch.transformer}
+        else {f"frozen weights ({m.dtype})": width * params}
     if fsdp:
-        gathered = arch.transformer * width if par.defer_gradient_sync else 2 * arch.largest_block * width
-        parts["fsdp gathered blocks"] = gathered + (arch.transformer * 4 if par.defer_gradient_sync and not m.lora else 0)
+        gathered = params * width if par.defer_gradient_sync else 2 * arch.largest_block * width
+        parts["fsdp gathered blocks"] = gathered + (params * 4 if par.defer_gradient_sync and not m.lora else 0)
     batch = (spec.micro_batch or share) * (2 if spec.train_cfg and guided(spec) == 2 else 1)
     ac = par.activation_checkpointing
     reference = arch.sample_working_set if spec.kl_beta > 0 else 0  # its no-grad pass beside the kept tensors
     parts["activations (one micro-batch)"] = arch.train.update_peak(batch, ac, reference) if spec.train else 0
     parts["trajectories (one step)"] = samples * (trajectory_states(spec) * arch.latent_numel * 4
                                                   + spec.sample_steps * 4 + arch.text_features) + arch.text_features
-    advice = generator_advice(config, arch, batch, ac)
+    advice = generator_advice(config, eid, arch, params, batch, ac)
     notes = [f"a pass through the transformer: {arch.image_tokens} image tokens (latent "
              f"{'x'.join(map(str, arch.latent_shape))}) + {arch.text_tokens} text tokens; {batch} passes per backward "
              f"pass ({spec.micro_batch or share} transition(s){', doubled by guidance' if batch > (spec.micro_batch or share) else ''}), "
              f"activation checkpointing {'on' if ac else 'off'}: {arch.train.kept(batch, ac) / GB:.1f} GB kept "
              f"({arch.train.kept(batch, not ac) / GB:.1f} GB {'without' if ac else 'with'} it)"]
-    return ActorPlan(name, "update", wants_gpu(spec.resources), {"transformer": arch.transformer, "lora": arch.lora},
+    return ActorPlan(name, "update", wants_gpu(spec.resources), {"transformer": params, "lora": lora},
                      {k: int(v) for k, v in parts.items()}, advice, notes)
 
 
-def generator_advice(config: Config, arch, batch: int, ac: bool) -> list[str]:
-    spec, key = config.experts.generator, "experts.generator"
+def generator_advice(config: Config, eid: str, arch, params: int, batch: int, ac: bool) -> list[str]:
+    """What would make expert `eid` (of `params` trained or adapted parameters) fit."""
+    spec, key = config.expert(eid), f"experts.{eid}"
     out = []
     if not spec.model.lora:
         out.append(f"a LoRA adapter ({key}.model.lora={{r: 32, alpha: 64}}): no fp32 copy, gradients or moments of "
-                   f"the {arch.transformer / 1e9:.1f} B parameters, no reference copy")
+                   f"the {params / 1e9:.1f} B parameters, no reference copy")
     out.append(f"more ranks under fsdp ({key}.parallel.ranks=N, {key}.parallel.strategy=fsdp): parameters, gradients, "
                f"moments and reference split N ways")
     if batch > 1:
@@ -431,7 +437,8 @@ def actors_of(config: Config) -> dict[str, ActorPlan]:
         spec = config.expert(eid)
         ranks = spec.parallel.ranks if config.cluster.mode == "ray" else 1
         for r in range(ranks):
-            rank = generator_expert(config, r) if eid == "generator" else refiner_expert(config, eid, r)
+            rank = generator_expert(config, eid, r) if isinstance(spec, GeneratorConfig) \
+                else refiner_expert(config, eid, r)
             out.append(colocated_rank(config, rank) if config.cluster.layout == "colocated" else rank)
     out += [rollout_worker(config, j) for j in range(config.cluster.workers)]
     out += [reward_actor(config, t, k) for t, (n, _) in config.reward.pools().items() for k in range(n)]

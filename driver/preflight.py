@@ -103,11 +103,16 @@ def sample_problems(config: Config) -> list[str]:
     """The generator makes the task's samples: a video family (experts/families.py VIDEO) clips of
     task.num_frames frames its VAE takes, of sides its latent patches divide; an image family square
     images (task.num_frames and task.image_width unset); guidance_scale_2 only for a model with a
-    low-noise transformer. A hub model whose config files are not at hand is checked when it loads."""
+    low-noise transformer, and for `experts.generator_low` to train as an expert of its own. A hub
+    model whose config files are not at hand is checked when it loads."""
     from common.architectures import config_folder, index_class
     m, task = config.experts.generator.model, config.task
+    split = config.experts.generator_low is not None
+    two = ("experts.generator_low is set, but experts.generator.model{} has no low-noise transformer to train as "
+           "an expert of its own (transformer_2 with a boundary_ratio, as Wan2.2-T2V-A14B); unset "
+           "experts.generator_low, and one expert trains the whole model")
     if m.kind != "diffusers_flow":
-        return []
+        return [two.format(f".kind={m.kind}")] if split else []
     try:
         folder = config_folder(m.path, m.revision)
         family = index_class(folder)
@@ -119,6 +124,10 @@ def sample_problems(config: Config) -> list[str]:
         f"experts.generator.model.guidance_scale_2={m.guidance_scale_2}: the low-noise transformer's guidance, "
         f"but {m.path} ({family}) has no low-noise transformer (transformer_2 with a boundary_ratio, as "
         f"Wan2.2-T2V-A14B); unset it"]
+    if split and not low:
+        problems.append(two.format(f".path={m.path} ({family})"))
+    elif split:
+        problems += split_problems(config, folder, index)
     if family in VIDEO:
         from experts.wan import check_clip
         vae = json.loads((folder / "vae" / "config.json").read_text())
@@ -135,6 +144,24 @@ def sample_problems(config: Config) -> list[str]:
         problems.append(f"task.image_width={task.image_width}: {image}, whose images are square "
                         f"(task.image_size={task.image_size}); unset task.image_width")
     return problems
+
+
+def split_problems(config: Config, folder: Path, index: dict) -> list[str]:
+    """Under `experts.generator_low` each transformer's expert trains the trained steps it denoises:
+    both need one."""
+    from driver.plan import trained_steps
+    from experts.wan import euler_scheduler, split_steps
+    spec = config.experts.generator
+    scheduler = euler_scheduler(json.loads((folder / "scheduler" / "scheduler_config.json").read_text()))
+    scheduler.set_timesteps(spec.sample_steps)
+    steps = trained_steps(spec)
+    sides = split_steps(scheduler.sigmas, steps, scheduler.config.num_train_timesteps, index["boundary_ratio"])
+    return [f"experts.{eid} trains no step: of the trained steps {steps} (experts.generator.sample_steps="
+            f"{spec.sample_steps}, sde_window={spec.sde_window}, train_final_step={spec.train_final_step}) its "
+            f"{side}-noise transformer denoises none (steps whose sigma is "
+            f"{'at or above' if side == 'high' else 'below'} boundary_ratio {index['boundary_ratio']}: sigmas {[round(float(s), 4) for s in scheduler.sigmas]}); "
+            f"widen experts.generator.sde_window"
+            for eid, side in (("generator", "high"), ("generator_low", "low")) if not sides[side]]
 
 
 def missing(*modules: str) -> list[str]:

@@ -43,6 +43,10 @@ class FamilyVelocity(nn.Module):
         self.spec = m
         self.path = local_model(m.path, m.revision)
         self.index = load_index(self.path)
+        self.load_trained(seed, device)
+
+    def load_trained(self, seed: int, device: torch.device) -> None:
+        """The trained transformer(s) of the pipeline: `transformer`."""
         self.transformer = self.trained_component("transformer", seed, device)
 
     def trained_component(self, name: str, seed: int, device: torch.device) -> nn.Module:

@@ -13,7 +13,7 @@ from typing import Annotated, Callable, Literal
 import torch
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-from algorithm.losses import GeneratorObjective, generator_backward
+from algorithm.losses import GeneratorObjective, generator_backward, trained_steps
 from common.config import Resources, Strict
 from common.seeding import derive_seed
 from experts.build import ExpertKind
@@ -113,16 +113,37 @@ class GeneratorConfig(Strict):
         return self
 
 
+LOW_NOISE = "generator_low"  # the expert id of Wan2.2-A14B's low-noise transformer, when it is an expert of its own
+
+
+def transformer_part(config, expert_id: str) -> str | None:
+    """Which of a two-transformer model's transformers expert `expert_id` holds: "high" (the
+    generator) or "low" (`experts.generator_low`) when the two are experts of their own; None when
+    the generator holds all of its model."""
+    if config.experts.generator_low is None:
+        return None
+    return "low" if expert_id == LOW_NOISE else "high"
+
+
 class GeneratorKind(ExpertKind):
-    """The generator learns from every sample's trajectory, with Flow-GRPO's loss (algorithm/losses.py)."""
+    """The generator learns from every sample's trajectory, with Flow-GRPO's loss (algorithm/losses.py).
+    Under `experts.generator_low` the generator and generator_low are each one transformer of the
+    same model (`part`), each learning from the transitions its transformer denoised, with the
+    generator's advantages (algorithm/credit.py), from the same trajectories."""
+
+    def __init__(self, config, expert_id: str, spec):
+        super().__init__(config, expert_id, spec)
+        self.part = transformer_part(config, expert_id)
 
     def fresh_model(self, device: torch.device) -> torch.nn.Module:
         m = self.spec.model
         if m.kind == "diffusers_flow":
             from common.hub import local_model
             from experts.families import family_module
+            # the generator's seed for both parts too: their adapters start as one expert's of both would
+            seed = derive_seed(self.config.trainer.seed, "init", "generator")
             return family_module(local_model(m.path, m.revision)).Velocity(
-                self.spec, derive_seed(self.config.trainer.seed, "init", self.expert_id), device)
+                self.spec, seed, device, **({"part": self.part} if self.part else {}))
         from experts.dit import TinyDiT
         return TinyDiT(self.config.task.image_size, 3, m.patch, m.d_model, m.n_layers, m.n_heads,
                        self.config.experts.text_encoder.d_model)
@@ -135,14 +156,22 @@ class GeneratorKind(ExpertKind):
         """All trajectories of every shard as one batch, their conditioning joined as the model needs
         it (the tiny DiT and Qwen-Image re-pad their text features to a common length), without the
         empty prompt's, which every shard holds once, unless the update trains with guidance
-        (`train_cfg`)."""
+        (`train_cfg`). An expert of one transformer of two (`part`) trains the SDE steps that
+        transformer denoised only, and its loss averages over those."""
         first = shards[0]
+        sde, sigmas = as_tensor(first.sde), as_tensor(first.sigmas)
+        if self.part:
+            sde = sde & model.denoises(sigmas[:-1]).to(sde.device)
+            if not len(trained_steps(sde, self.spec.train_final_step)):
+                raise ValueError(f"experts.{self.expert_id}: none of the trained steps is denoised by its "
+                                 f"{self.part}-noise transformer (sigmas {sigmas.tolist()}); change "
+                                 f"experts.generator.sample_steps or experts.generator.sde_window")
         return to_device({"states": torch.cat([as_tensor(s.states) for s in shards]),
                           "state_steps": as_tensor(first.state_steps),
                           "logps": torch.cat([as_tensor(s.logps) for s in shards]),
                           "cond": model.merge_conditions([device_tensors(s.cond, s.dtypes) for s in shards]),
                           "shared_cond": device_tensors(first.shared_cond, first.dtypes) if self.spec.train_cfg else {},
-                          "sigmas": as_tensor(first.sigmas), "sde": as_tensor(first.sde)}, device)
+                          "sigmas": sigmas, "sde": sde}, device)
 
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None):

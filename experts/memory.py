@@ -275,13 +275,15 @@ def measure(model: nn.Module, run, grad: bool = True) -> Pass:
 
 @dataclass(frozen=True)
 class GeneratorArchitecture:
-    """The generator of a config, per sample: its transformer, its frozen front end (text
-    encoders and VAE) and adapter by parameter count, its latent grid and token counts, and what
-    one sample costs through the transformer (trained and sampled), the VAE and the text cache."""
+    """The generator of a config, per sample: its transformer(s) (Wan2.2-A14B's two together, and each
+    one's count), its frozen front end (text encoders and VAE) and adapter by parameter count, its
+    latent grid and token counts, and what one sample costs through the transformer (trained and
+    sampled), the VAE and the text cache."""
     family: str
     transformer: int
     largest_block: int
     lora: int
+    per_transformer: dict[str, tuple[int, int]]  # each trained transformer's (parameters, adapter), by its name
     frontend: dict[str, int]
     latent_shape: tuple[int, ...]
     image_tokens: int
@@ -338,13 +340,16 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
     parts = weighted_components(folder)
     built = {name: meta_component(folder / name, *spec) for name, spec in parts.items()}
     transformer = built.pop("transformer")
-    trained = [transformer, *([built.pop("transformer_2")] if "transformer_2" in built else [])]  # Wan2.2-A14B: both
+    trained = {"transformer": transformer,  # Wan2.2-A14B: both
+               **({"transformer_2": built.pop("transformer_2")} if "transformer_2" in built else {})}
     dtype = dtype_of(m.dtype)
-    for t in trained:
+    for t in trained.values():
         in_dtype(t, dtype)
-    size = sum(count(t) for t in trained)
+    counts = {name: count(t) for name, t in trained.items()}
     largest = max((count(b) for b in blocks(transformer)), default=count(transformer))
-    lora = sum(add_lora(t, m.lora, module.Velocity.LORA_TARGETS) for t in trained) if m.lora else 0
+    loras = {name: add_lora(t, m.lora, module.Velocity.LORA_TARGETS) if m.lora else 0 for name, t in trained.items()}
+    per_transformer = {name: (counts[name], loras[name]) for name in trained}
+    size, lora = sum(counts.values()), sum(loras.values())
     if not m.lora:
         transformer.requires_grad_(True)
     velocity = module.Velocity.__new__(module.Velocity)  # the family's own forward, on the meta transformer
@@ -368,7 +373,8 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
     features = sum(math.prod(shape) * (torch.tensor([], dtype=dt or dtype).element_size())
                    for shape, dt in shapes.values())
     image_tokens = transformer_image_tokens(family, latent_shape)
-    return GeneratorArchitecture(family, size, largest, lora, {name: count(part) for name, part in built.items()}, latent_shape,
+    return GeneratorArchitecture(family, size, largest, lora, per_transformer,
+                                 {name: count(part) for name, part in built.items()}, latent_shape,
                                  image_tokens, text_tokens, one.kept, one.working_set, decode, features)
 
 

@@ -1,6 +1,8 @@
 """`RolloutPipeline`: refine -> compose -> encode -> generate -> decode -> reward -> counterfactual,
 for a batch of samples, with inference copies of every expert and the generator's frozen front end
-(text encoding, latent space, decoding: experts/frontend.py).
+(text encoding, latent space, decoding: experts/frontend.py). Where Wan2.2-A14B's two transformers
+are two experts (`experts.generator_low`), the generator's copy and generator_low's are joined into
+one velocity, each denoising its side of the boundary with the version delivered to it.
 
 `run` returns a rollout's outputs as three parts: small metadata for the driver, the generator's
 trajectories (experts/trajectories.py) and each refiner's token batch; the last two go to the
@@ -24,6 +26,7 @@ from algorithm.losses import kept_states, trained_steps
 from algorithm.sde import sample, sde_steps
 from common.seeding import generator
 from experts.frontend import build_frontend
+from experts.generator import LOW_NOISE
 from experts.kinds import build_model
 from experts.trajectories import split_shared, trajectories
 from experts.weights import load
@@ -158,6 +161,14 @@ class RolloutPipeline:
                                   for name, term in config.reward.terms.items()}, self.owners, config.reward.timeout_s,
                                  config.reward.timeout_per_image_s)
 
+    @property
+    def velocity(self):
+        """The generator's velocity as sampling calls it: with Wan2.2-A14B's low-noise transformer an
+        expert of its own, the two joined. Looked up per call: a colocated rank lends its model for
+        one rollout only."""
+        low = self.models.get(LOW_NOISE)
+        return self.models["generator"].joined(low) if low is not None else self.models["generator"]
+
     def load(self, expert_id: str, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Serve `tensors` (a whole version, as the model holds them) as `version` of `expert_id`;
         the model reads them in place."""
@@ -247,7 +258,7 @@ class RolloutPipeline:
     def generate(self, cond: dict, noise: torch.Tensor, sde: bool):
         """The generator's trajectories from `noise` under `cond`: SDE on `generator.sde_window`'s
         steps (all of them by default) if `sde`, else an ODE all the way (evaluation, sampling)."""
-        velocity = self.models["generator"]
+        velocity = self.velocity
         window = self.sde if sde else torch.zeros_like(self.sde)
         return sample(lambda x, sigma: velocity(x, sigma, **cond), noise.to(self.device), self.sigmas,
                       self.config.experts.generator.noise_level, window)

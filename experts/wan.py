@@ -9,7 +9,9 @@ timestep = sigma * num_train_timesteps in float32, one per sample, or one per la
 guidance against the empty prompt; latents decoded as z * latents_std + latents_mean per channel.
 Wan2.2-A14B holds two transformers: `transformer` (high noise) denoises the steps whose timestep is
 at least boundary_ratio x num_train_timesteps, `transformer_2` (low noise) the others, each with its
-own guidance scale (`guidance_scale`, `guidance_scale_2`); both are trained here, as one expert.
+own guidance scale (`guidance_scale`, `guidance_scale_2`); both are trained, by one expert
+(`experts.generator`) or each by its own (`experts.generator` the high-noise one and
+`experts.generator_low` the low-noise one, each on the steps it denoises).
 
 Sigmas: the Wan checkpoints ship a UniPC multistep scheduler; jointrl's sampler is the Euler step of
 the flow (Flow-GRPO's SDE, whose ODE limit is Euler's), so the sigmas are those of diffusers'
@@ -58,58 +60,125 @@ def check_clip(task, temporal: int, spatial: int, path: str) -> tuple[int, int, 
     return (n - 1) // temporal + 1, height // spatial, width // spatial
 
 
+def euler_scheduler(config):
+    """diffusers' FlowMatchEulerDiscreteScheduler of a Wan scheduler config (a mapping): its
+    num_train_timesteps and its shift (UniPC's `flow_shift`)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=config["num_train_timesteps"],
+                                           shift=config.get("flow_shift", config.get("shift", 1.0)))
+
+
+def high_noise(sigma: torch.Tensor, num_train_timesteps: int, boundary: float) -> torch.Tensor:
+    """Whether Wan2.2-A14B's high-noise transformer denoises at `sigma`: the pipeline's
+    t >= boundary_timestep, t = sigma x num_train_timesteps in float32 (`boundary`: boundary_ratio x
+    num_train_timesteps)."""
+    return sigma.float() * num_train_timesteps >= boundary
+
+
+def split_steps(sigmas: torch.Tensor, steps: list[int], num_train_timesteps: int,
+                boundary_ratio: float) -> dict[str, list[int]]:
+    """{"high", "low": the steps among `steps` each transformer of Wan2.2-A14B denoises}."""
+    high = high_noise(sigmas, num_train_timesteps, boundary_ratio * num_train_timesteps)
+    return {"high": [t for t in steps if high[t]], "low": [t for t in steps if not high[t]]}
+
+
 class Velocity(FamilyVelocity):
+    """Wan's velocity. Under Wan2.2-A14B it holds the transformers of its `part`: "both" (one expert
+    trains both), "high" (`transformer` alone: `experts.generator` when `experts.generator_low` is
+    set) or "low" (`transformer_2` alone: `experts.generator_low`); a rollout worker joins a high and
+    a low part into the pipeline's velocity (`joined`)."""
     # Flow-GRPO's Wan LoRA targets: the self- and cross-attention projections of every block
     LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
     # what a velocity built without __init__ (the memory plan's, on the meta device) reads
-    expand_timesteps, num_train_timesteps, boundary = False, 1000, None
+    expand_timesteps, num_train_timesteps, boundary, part = False, 1000, None, "both"
 
-    def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu")):
+    def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu"), part: str = "both"):
+        """`seed`: the LoRA adapters' (transformer_2's is seed + 1), the same for every part, so that
+        two experts start from the very adapters one expert training both starts from."""
+        self.part = part
         super().__init__(spec, seed, device)
+        if self.boundary is None and spec.model.guidance_scale_2 is not None:
+            raise ValueError(f"experts.generator.model.guidance_scale_2 is the low-noise transformer's guidance; "
+                             f"{spec.model.path} has none (no transformer_2 and boundary_ratio)")
+
+    def load_trained(self, seed: int, device: torch.device) -> None:
+        """The transformers of this velocity's part, with the scheduler's timestep scale and the boundary."""
         index = self.index
         self.expand_timesteps = bool(index.get("expand_timesteps"))
         self.num_train_timesteps = component(self.path, index, "scheduler").config.num_train_timesteps
         boundary = index.get("boundary_ratio")
         has_low = (index.get(LOW) or [None, None])[1] is not None
         self.boundary = boundary * self.num_train_timesteps if boundary is not None and has_low else None
-        if self.boundary is not None:
+        if self.boundary is None and self.part != "both":
+            raise ValueError(f"experts.generator_low: {self.spec.path} has no low-noise transformer (transformer_2 "
+                             f"with a boundary_ratio, as Wan2.2-T2V-A14B) to train as an expert of its own")
+        if self.part in ("both", "high"):
+            self.transformer = self.trained_component(HIGH, seed, device)
+        if self.part in ("both", "low") and self.boundary is not None:
             self.transformer_2 = self.trained_component(LOW, seed + 1, device)
-        elif spec.model.guidance_scale_2 is not None:
-            raise ValueError(f"experts.generator.model.guidance_scale_2 is the low-noise transformer's guidance; "
-                             f"{spec.model.path} has none (no transformer_2 and boundary_ratio)")
+
+    def held(self) -> dict[str, torch.nn.Module]:
+        """{"high", "low": the transformer this velocity holds of each noise level}."""
+        sides = {"high": HIGH, "low": LOW} if self.boundary is not None else {"high": HIGH}
+        return {side: getattr(self, name) for side, name in sides.items() if name in self._modules}
 
     def transformers(self) -> list:
-        return [self.transformer, *([self.transformer_2] if self.boundary is not None else [])]
+        return list(self.held().values())
 
-    def timestep(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    def at_high_noise(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Whether the high-noise transformer denoises at `sigma`: the pipeline's t >= boundary_timestep
+        (True everywhere for a model of one transformer)."""
+        if self.boundary is None:
+            return torch.ones_like(sigma, dtype=torch.bool)
+        return high_noise(sigma, self.num_train_timesteps, self.boundary)
+
+    def denoises(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """Per step (its sigma), whether a transformer this velocity holds denoises it: the steps it trains on."""
+        high = self.at_high_noise(sigmas)
+        return {"both": torch.ones_like(high), "high": high, "low": ~high}[self.part]
+
+    def timestep(self, x: torch.Tensor, sigma: torch.Tensor, transformer=None) -> torch.Tensor:
         """The pipeline's timestep: sigma * num_train_timesteps in float32, per sample or per latent token."""
         t = sigma.float() * self.num_train_timesteps
         if not self.expand_timesteps:
             return t
         _, _, frames, height, width = x.shape
-        p = self.transformer.config.patch_size
+        p = (transformer or self.transformer).config.patch_size
         return t[:, None].expand(-1, (frames // p[0]) * (height // p[1]) * (width // p[2]))
 
     def velocity(self, x, sigma, cond, transformer=None) -> torch.Tensor:
         transformer = transformer or self.transformer
         dtype = transformer.dtype
-        return transformer(hidden_states=x.to(dtype), timestep=self.timestep(x, sigma),
+        return transformer(hidden_states=x.to(dtype), timestep=self.timestep(x, sigma, transformer),
                            encoder_hidden_states=cond["prompt_embeds"].to(dtype)).sample.float()
 
     def forward(self, x, sigma, **cond) -> torch.Tensor:
         """v(x, sigma | text), guided against the empty prompt when `cond` holds its conditioning; under
         Wan2.2-A14B each row by the transformer of its noise level, with that transformer's guidance
         (rows of both levels may share a batch in the update)."""
+        return self.routed(self.held(), x, sigma, cond)
+
+    def joined(self, low: "Velocity"):
+        """The velocity of this high-noise part and the low-noise part `low` together, as the pipeline
+        samples with them (this part's guidance scales: the sampler's keys are experts.generator's)."""
+        return lambda x, sigma, **cond: self.routed({**self.held(), **low.held()}, x, sigma, cond)
+
+    def routed(self, transformers: dict, x, sigma, cond) -> torch.Tensor:
+        """The velocity of every row by the transformer of its noise level among `transformers`
+        ({"high", "low": transformer}), each with its guidance scale."""
         if self.boundary is None:
-            return self.guided(self.transformer, self.spec.guidance_scale, x, sigma, cond)
-        high = sigma.float() * self.num_train_timesteps >= self.boundary  # the pipeline's t >= boundary_timestep
+            return self.guided(transformers["high"], self.spec.guidance_scale, x, sigma, cond)
+        high = self.at_high_noise(sigma)
         out = torch.empty_like(x, dtype=torch.float32)
         low_scale = self.spec.guidance_scale_2 if self.spec.guidance_scale_2 is not None else self.spec.guidance_scale
-        for rows, transformer, scale in ((high, self.transformer, self.spec.guidance_scale),
-                                         (~high, self.transformer_2, low_scale)):
-            if rows.any():
-                out[rows] = self.guided(transformer, scale, x[rows], sigma[rows],
-                                        {k: v if k.startswith(NEGATIVE) else v[rows] for k, v in cond.items()})
+        for rows, side, scale in ((high, "high", self.spec.guidance_scale), (~high, "low", low_scale)):
+            if not rows.any():
+                continue
+            if side not in transformers:
+                raise ValueError(f"a {side}-noise step (sigma {float(sigma[rows][0]):.4f}) for a velocity that "
+                                 f"holds only the {', '.join(transformers)}-noise transformer")
+            out[rows] = self.guided(transformers[side], scale, x[rows], sigma[rows],
+                                    {k: v if k.startswith(NEGATIVE) else v[rows] for k, v in cond.items()})
         return out
 
     def guided(self, transformer, scale: float, x, sigma, cond) -> torch.Tensor:
@@ -140,13 +209,10 @@ class FrontEnd(FamilyFrontEnd):
     COMPONENTS = ("scheduler", "vae", "text_encoder", "tokenizer")
 
     def __init__(self, config, device: torch.device):
-        from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+        from diffusers import WanPipeline
         super().__init__(config, device)
         self.pipeline = WanPipeline(transformer=None, transformer_2=None, **self.parts)
-        c = self.scheduler.config
-        # the Euler scheduler of the checkpoint's shift (a UniPC config names it flow_shift)
-        self.euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=c.num_train_timesteps,
-                                                     shift=c.get("flow_shift", c.get("shift", 1.0)))
+        self.euler = euler_scheduler(self.scheduler.config)  # of the checkpoint's shift
 
     def latent_grid(self, image_size: int) -> tuple[int, ...]:
         """(C, F', H', W') of clips of task.num_frames frames, task.image_size high and task.image_width

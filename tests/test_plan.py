@@ -14,7 +14,7 @@ from driver.config import resolve_config
 from driver.plan import PlanError, config_target, plan_for
 
 GPU_PRESETS = ["gpu", "sd3", "flux1", "flux2-klein", "qwen-image", "geneval", "pickscore", "ocr", "wan2.1-1.3b",
-               "wan2.2-5b", "wan-promptrl"]
+               "wan2.2-5b", "wan-promptrl", "wan2.2-a14b"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
