@@ -10,9 +10,15 @@ import numpy as np
 from tasks.base import to_uint8
 
 
+def strip(tile: np.ndarray) -> np.ndarray:
+    """A uint8 image (H, W, 3) as it is; a clip (F, H, W, 3) as its frames side by side."""
+    return np.concatenate(list(tile), axis=1) if tile.ndim == 4 else tile
+
+
 def grid(images: np.ndarray, cols: int = 8, pad: int = 2, scale: int = 4) -> np.ndarray:
-    """Generator images (B, 3, H, W) in [-1, 1] tiled into one uint8 (rows, cols) picture, enlarged."""
-    tiles = [to_uint8(im) for im in images]
+    """Generator images (B, 3, H, W) or clips (B, F, 3, H, W) in [-1, 1] tiled into one uint8 (rows,
+    cols) picture, enlarged (a clip as its frames side by side)."""
+    tiles = [strip(to_uint8(im)) for im in images]
     h, w = tiles[0].shape[:2]
     rows = -(-len(tiles) // cols)
     out = np.full((rows * (h + pad) + pad, cols * (w + pad) + pad, 3), 60, np.uint8)

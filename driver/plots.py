@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from driver.images import strip
+
 
 def pyplot():
     """matplotlib's pyplot on the Agg backend (no display needed), imported only when drawing."""
@@ -55,7 +57,7 @@ def sample_sheet(images: np.ndarray, captions: list[str], title: str, path: Path
     for ax in axes.flat:
         ax.axis("off")
     for ax, image, caption in zip(axes.flat, images, captions):
-        ax.imshow(image, interpolation="nearest")
+        ax.imshow(strip(image), interpolation="nearest")
         wrapped = "\n".join(textwrap.fill(line, 38) for line in caption.splitlines())
         ax.text(0.5, -0.03, wrapped, transform=ax.transAxes, ha="center", va="top", fontsize=7, family="monospace")
     fig.suptitle(title)
