@@ -4,7 +4,8 @@ in (its shape, its sigma schedule) and the way back to pixels.
 
 `ShapesFrontEnd` serves the tiny DiT: its own frozen text encoder over the task's words (the shapes
 vocabulary, with the motion words under shapes_video), pixel space, evenly spaced sigmas; a clip's
-flow state is (3, F, H, W), decoded to frames (F, 3, H, W). A diffusers generator brings its family's (experts/families.py).
+flow state is (3, F, H, W), decoded to frames (F, 3, H, W). A diffusers generator brings its
+family's (experts/families.py).
 """
 from __future__ import annotations
 
