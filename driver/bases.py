@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from driver.overrides import flat
+from tasks import text_vocabulary
 from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
 
 FORMAT = 3  # bump when what a base holds changes
@@ -34,7 +35,7 @@ def base_shaping(config) -> dict:
     max_sequence_length; `details`: caption_details). A square image task leaves out `num_frames` and
     `image_width`, so that image bases made before videos existed keep their hash."""
     task = config.task.model_dump(exclude={k for k in ("num_frames", "image_width") if getattr(config.task, k) is None})
-    return {"format": FORMAT, "vocab": VOCAB, "task": task,
+    return {"format": FORMAT, "vocab": text_vocabulary(config.task.name), "task": task,
             "generator": config.experts.generator.model.model_dump(),
             "text_encoder": config.experts.text_encoder.model_dump(exclude={"init", "max_sequence_length"}),
             "text_len": config.experts.text_encoder.max_sequence_length,
@@ -73,7 +74,7 @@ def init_files(config, out_dir: str | Path) -> dict[str, Path]:
                          f"--set pretrain.out_dir={out_dir}`, or start from random weights with experts.base=null")
     base = base_dir(config, out_dir)
     files, problems = {}, []
-    if config.experts.generator.model.kind == "tiny_dit":  # a base holds tiny models only
+    if config.experts.generator.model.kind in ("tiny_dit", "tiny_video_dit"):  # a base holds tiny models only
         files = {"generator": base / "generator.safetensors", "text_encoder": base / "text_encoder.safetensors"}
     if files and not base.is_dir():
         problems = [differences(out_dir, "base-", base_shaping(config), "the generator", {

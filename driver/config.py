@@ -420,8 +420,9 @@ class LoggingConfig(Strict):
 
 class TaskConfig(Strict):
     """The task: where training and evaluation prompts come from, and its default reward."""
-    name: Literal["shapes", "prompts"] = Field("shapes", description="shapes: the embedded toy world; prompts: "
-                                                                     "prompt datasets (task.train, task.eval)")
+    name: Literal["shapes", "shapes_video", "prompts"] = Field(
+        "shapes", description="shapes: the embedded toy world; shapes_video: its moving shapes, in clips of "
+                              "task.num_frames (4 to 8) frames; prompts: prompt datasets (task.train, task.eval)")
     image_size: PositiveInt = Field(32, description="side of the generated images in pixels (their height where "
                                                     "task.image_width is set)")
     image_width: PositiveInt | None = Field(None, description="width of each image or frame in pixels where it "
@@ -450,6 +451,14 @@ class TaskConfig(Strict):
     def _sources(self):
         if self.name == "prompts" and not self.train:
             raise ValueError("task.name=prompts needs task.train (a prompt file or dataset id)")
+        return self
+
+    @model_validator(mode="after")
+    def _clips(self):
+        from tasks.shapes_video import FRAMES
+        if self.name == "shapes_video" and (self.num_frames is None or not FRAMES[0] <= self.num_frames <= FRAMES[1]):
+            raise ValueError(f"task.num_frames={self.num_frames}: task.name=shapes_video draws clips of "
+                             f"{FRAMES[0]} to {FRAMES[1]} frames")
         return self
 
 
@@ -490,7 +499,8 @@ class Config(Strict):
         if self.task.name != "prompts":
             return self
         tiny = [f"experts.{e}.model.kind={s.model.kind}" for e, s in self.experts.sections().items()
-                if s.model.kind in ("tiny_lm", "tiny_dit") and (e == "generator" or e in self.experts.active_refiners())]
+                if s.model.kind in ("tiny_lm", "tiny_dit", "tiny_video_dit")
+                and (e == "generator" or e in self.experts.active_refiners())]
         if tiny:
             raise ValueError(f"task.name=prompts needs models with tokenizers (hf_causal_lm refiners, a "
                              f"diffusers_flow generator; `tiny:qwen2` and `tiny:sd3` for tiny random ones), got "
@@ -506,12 +516,26 @@ class Config(Strict):
                 raise ValueError(f"experts.{eid}.owns names {bad}, not a reward term ({sorted(terms)})")
             if isinstance(spec, RefinerConfig) and self.algorithm.credit == "per_expert" and not spec.owns:
                 raise ValueError(f"experts.{eid}.owns is empty, but credit=per_expert needs a term")
-        if self.experts.generator.model.kind == "tiny_dit" and self.task.image_size % self.experts.generator.model.patch:
+        m = self.experts.generator.model
+        if m.kind in ("tiny_dit", "tiny_video_dit") and self.task.image_size % m.patch:
             raise ValueError("task.image_size must be a multiple of experts.generator.model.patch")
         square = self.task.image_width in (None, self.task.image_size)
         if self.experts.generator.model.kind == "tiny_dit" and not square:
             raise ValueError(f"task.image_width={self.task.image_width}: the tiny DiT's images are square "
                              f"(task.image_size={self.task.image_size}); unset task.image_width")
+        return self
+
+    @model_validator(mode="after")
+    def _tiny_frames(self):
+        """A tiny DiT makes images, its video kind clips of task.num_frames, patched whole in time."""
+        m, frames = self.experts.generator.model, self.task.num_frames
+        if m.kind == "tiny_dit" and frames is not None:
+            raise ValueError(f"task.num_frames={frames} asks for clips, but experts.generator.model.kind=tiny_dit "
+                             f"makes images: use kind tiny_video_dit (or task.num_frames=null)")
+        if m.kind == "tiny_video_dit" and (frames is None or frames % m.frame_patch):
+            raise ValueError(f"experts.generator.model.kind=tiny_video_dit makes clips of task.num_frames frames in "
+                             f"patches of experts.generator.model.frame_patch={m.frame_patch}: task.num_frames "
+                             f"({frames}) must be a multiple of it")
         return self
 
     @model_validator(mode="after")

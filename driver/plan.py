@@ -207,7 +207,7 @@ def generator_expert(config: Config, eid: str, rank: int) -> ActorPlan:
     ranks, fsdp = par.ranks, par.strategy == "fsdp" and par.ranks > 1
     samples = step_samples(config)
     share = math.ceil(samples / ranks)
-    if m.kind == "tiny_dit":
+    if m.kind in ("tiny_dit", "tiny_video_dit"):
         return tiny_generator_expert(config, name, share)
     arch = generator_architecture(m, config.task.image_size, config.task.image_width, config.task.num_frames)
     width = DTYPE_BYTES[m.dtype]
@@ -258,10 +258,11 @@ def tiny_generator_expert(config: Config, name: str, share: int) -> ActorPlan:
     from experts.kinds import build_model
     spec, m = config.experts.generator, config.experts.generator.model
     params = sum(p.numel() for p in build_model(config, "generator", fresh=True).parameters())
-    side = config.task.image_size
-    tokens = (side // m.patch) ** 2 + config.text_len()
+    side, frames = config.task.image_size, config.task.num_frames or 1
+    depth = frames // m.frame_patch if m.kind == "tiny_video_dit" else 1
+    tokens = depth * (side // m.patch) ** 2 + config.text_len()
     batch = spec.micro_batch or share
-    latent = 3 * side * side
+    latent = 3 * frames * side * side
     parts = {**training_state(params, params, "float32", 1, False, False),
              "activations (one micro-batch)": batch * tokens * m.d_model * m.n_layers * TINY_ACTIVATION,
              "trajectories (one step)": step_samples(config) * (trajectory_states(spec) * latent * 4
@@ -368,7 +369,8 @@ def rollout_parts(config: Config, share: int, experts: set[str]) -> tuple[dict, 
         parts["weights: generator"] = 4 * params["generator"]
         parts["weights: text_encoder"] = 4 * params["text_encoder"]
         side = config.task.image_size
-        parts["trajectories (one chunk)"] = chunk * (spec.sample_steps + 1) * 3 * side * side * 4 * 2
+        parts["trajectories (one chunk)"] = chunk * (spec.sample_steps + 1) * 3 * (config.task.num_frames or 1) \
+            * side * side * 4 * 2
     parts["text cache (rollout.text_cache_mb)"] = int(config.rollout.text_cache_mb * MIB)
     pooled = config.reward.pools()
     for name, term in config.reward.terms.items():

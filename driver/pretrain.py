@@ -1,7 +1,8 @@
 """`jointrl pretrain`: the base generator and text encoder, by flow matching on rendered pairs.
 
 RL starts from a model that roughly works, as PromptRL starts from FLUX. Captions mix the full,
-terse and paraphrased wordings of every category; images are the renderer's ground truth. The
+terse and paraphrased wordings of every category; images are the renderer's ground truth (under
+`shapes_video`, clips of task.num_frames frames of its prompts, in full and terse wordings). The
 loss is rectified flow's: x_s = (1 - s) x + s eps, target v = eps - x, s ~ logit-normal. The saved
 weights are an EMA of the trained ones, cached under a hash of everything that shapes them, so a
 second call with the same config reuses the first's result.
@@ -25,6 +26,7 @@ from experts.frontend import build_text_encoder
 from experts.kinds import build_model
 from tasks.shapes import (CATEGORIES, EOS, PAD, QUALITY_WORDS, STYLE_WORDS, WORD_TO_ID, Prompt, composed_ids,
                           make_prompt, paraphrase, render)
+from tasks.shapes_video import VIDEO_CATEGORIES, make_video_prompt, render_clip
 
 def detail_words(rng: np.random.Generator, degraded: bool, max_words: int) -> list[str]:
     """One segment of refinement-shaped text: 1 to `max_words` style words. Only clean images are
@@ -65,28 +67,36 @@ def random_prompt(rng: np.random.Generator) -> Prompt:
     return paraphrase(p) if rng.random() < 1 / 3 else p
 
 
+def random_video_prompt(rng: np.random.Generator):
+    """A shapes_video prompt of a random category and wording (terse or full)."""
+    return make_video_prompt(VIDEO_CATEGORIES[rng.integers(len(VIDEO_CATEGORIES))], rng, terse=bool(rng.integers(2)))
+
+
 def caption_batch(rng: np.random.Generator, n: int, size: int, degraded_share: float = 0.0,
-                  max_segments: int = 0, max_words: int = 0, restate_share: float = 0.0, max_len: int | None = None):
+                  max_segments: int = 0, max_words: int = 0, restate_share: float = 0.0, max_len: int | None = None,
+                  frames: int | None = None):
     """`n` rendered (caption ids, image in [-1, 1]) pairs over every category and wording; a
     `degraded_share` of the images are degraded, and some captions carry details (`details`); each
-    caption is cut at `max_len` tokens as the runs' texts are (tasks.shapes.composed_ids)."""
+    caption is cut at `max_len` tokens as the runs' texts are (tasks.shapes.composed_ids). With
+    `frames`: shapes_video clips of that many frames, as the flow's states (3, F, H, W)."""
     ids, images = [], []
     for _ in range(n):
-        p = random_prompt(rng)
+        p = random_prompt(rng) if frames is None else random_video_prompt(rng)
         degraded = bool(rng.random() < degraded_share)
-        images.append(render(p, rng, size, degraded))
+        images.append(render(p, rng, size, degraded) if frames is None else
+                      render_clip(p, rng, frames, size, degraded))
         extra = details(rng, p, degraded, max_segments, max_words, restate_share) if max_segments else []
         ids.append(list(composed_ids(p.ids, extra, max_len)))
-    images = np.stack(images).astype(np.float32) / 127.5 - 1.0
+    images = torch.from_numpy(np.stack(images).astype(np.float32) / 127.5 - 1.0)
     width = max(map(len, ids))
     ids = torch.tensor([i + [PAD] * (width - len(i)) for i in ids])
-    return ids, torch.from_numpy(images).permute(0, 3, 1, 2)
+    return ids, images.permute(0, 3, 1, 2) if frames is None else images.permute(0, 4, 1, 2, 3)
 
 
 def flow_matching_loss(generator, encoder, ids, images, gen: torch.Generator):
     sigma = torch.sigmoid(torch.randn(len(images), generator=gen))
     eps = torch.randn(images.shape, generator=gen)
-    s = sigma.view(-1, 1, 1, 1)
+    s = sigma.view(-1, *[1] * (images.dim() - 1))
     v = generator((1 - s) * images + s * eps, sigma, encoder(ids), ids == PAD)
     return ((v - (eps - images)) ** 2).mean()
 
@@ -111,7 +121,7 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
             group["lr"] = pc.lr * 0.5 * (1 + math.cos(math.pi * it / pc.steps))
         batch = caption_batch(rng, pc.batch_size, config.task.image_size, pc.degraded_share, len(segments),
                               max(segments, default=0), pc.restate_share,
-                              config.experts.text_encoder.max_sequence_length)
+                              config.experts.text_encoder.max_sequence_length, frames=config.task.num_frames)
         loss = flow_matching_loss(generator, encoder, *batch, gen)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -18,6 +18,7 @@ from driver.config import ConfigError
 from driver.images import grid, write_picture
 from tasks.base import TextPrompt
 from tasks.shapes import encode_words
+from tasks.shapes_video import encode_video_words
 
 CHUNK = 64  # images drawn at once: memory stays bounded whatever -n is
 
@@ -25,7 +26,7 @@ CHUNK = 64  # images drawn at once: memory stays bounded whatever -n is
 def reads_word_ids(config) -> bool:
     """Whether a model of the run reads prompts as shapes word ids (the tiny LM or tiny DiT's encoder)."""
     kinds = [r.model.kind for r in config.experts.active_refiners().values()] + [config.experts.generator.model.kind]
-    return any(k in ("tiny_lm", "tiny_dit") for k in kinds)
+    return any(k in ("tiny_lm", "tiny_dit", "tiny_video_dit") for k in kinds)
 
 
 def user_prompt(text: str, config) -> TextPrompt:
@@ -34,7 +35,7 @@ def user_prompt(text: str, config) -> TextPrompt:
     words = text.lower().split() if reads_word_ids(config) else text.split()
     if reads_word_ids(config):
         try:
-            encode_words(words)
+            (encode_video_words if config.task.name == "shapes_video" else encode_words)(words)
         except ValueError as e:
             raise ConfigError(f"--prompt {text!r}: {e}. Nothing was drawn.") from None
     elif not words:

@@ -2,8 +2,10 @@
 (composing a prompt with its refinements and encoding it, with a cache), the space the flow runs
 in (its shape, its sigma schedule) and the way back to pixels.
 
-`ShapesFrontEnd` serves the tiny DiT: its own frozen text encoder over the shapes vocabulary,
-pixel space, evenly spaced sigmas. A diffusers generator brings its family's (experts/families.py).
+`ShapesFrontEnd` serves the tiny DiT: its own frozen text encoder over the task's words (the shapes
+vocabulary, with the motion words under shapes_video), pixel space, evenly spaced sigmas; a clip's
+flow state is (3, F, H, W), decoded to frames (F, 3, H, W). A diffusers generator brings its
+family's (experts/families.py).
 """
 from __future__ import annotations
 
@@ -12,14 +14,15 @@ import torch
 from experts.build import seeded_model
 from algorithm.sde import sigma_schedule
 from experts.text_encoder import CachedEncoder, TextEncoder
-from tasks.shapes import MAX_PROMPT_WORDS, VOCAB, composed_ids, known_ids
+from tasks import text_vocabulary
+from tasks.shapes import MAX_PROMPT_WORDS, composed_ids, known_ids
 
 
 def build_text_encoder(config, fresh: bool = False) -> TextEncoder:
-    """The tiny DiT's frozen text encoder over the shapes vocabulary: seeded, then at its `init`
-    if given, unless `fresh`."""
-    te = config.experts.text_encoder
-    return seeded_model(config, "text_encoder", lambda: TextEncoder(len(VOCAB), te.d_model, te.n_layers, te.n_heads,
+    """The tiny DiT's frozen text encoder over the task's words: seeded, then at its `init` if
+    given, unless `fresh`."""
+    te, words = config.experts.text_encoder, len(text_vocabulary(config.task.name))
+    return seeded_model(config, "text_encoder", lambda: TextEncoder(words, te.d_model, te.n_layers, te.n_heads,
                                                                     te.max_sequence_length), None if fresh else te.init)
 
 
@@ -28,8 +31,10 @@ class ShapesFrontEnd:
         self.config = config
         self.encoder = CachedEncoder(build_text_encoder(config).to(device), int(config.rollout.text_cache_mb * 2 ** 20),
                                      version=0)
-        size = config.task.image_size
-        self.latent_shape = (3, size, size)
+        size, frames = config.task.image_size, config.task.num_frames
+        self.latent_shape = (3, size, size) if frames is None else (3, frames, size, size)
+        vocab = text_vocabulary(config.task.name)
+        self.word_ids = {w: i for i, w in enumerate(vocab)}
 
     @property
     def version(self) -> int:
@@ -40,8 +45,8 @@ class ShapesFrontEnd:
         the prompt's and each refinement's words in the encoder's vocabulary (it cannot read others),
         cut at the encoder's `max_sequence_length` (tasks.shapes.composed_ids)."""
         order = self.config.experts.active_refiners()
-        seqs = [composed_ids(known_ids(p.text.split(), MAX_PROMPT_WORDS),
-                             [known_ids(refs[e].words, self.config.expert(e).max_new_tokens)
+        seqs = [composed_ids(known_ids(p.text.split(), MAX_PROMPT_WORDS, self.word_ids),
+                             [known_ids(refs[e].words, self.config.expert(e).max_new_tokens, self.word_ids)
                               for e in order if e in refs and e != drop],
                              self.config.experts.text_encoder.max_sequence_length)
                 for p, refs in zip(prompts, refinements)]
@@ -52,8 +57,8 @@ class ShapesFrontEnd:
         return sigma_schedule(steps)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, H, W) in [-1, 1]: the flow runs in pixel space."""
-        return latents.clamp(-1, 1)
+        """Images (B, 3, H, W) or clips (B, F, 3, H, W) in [-1, 1]: the flow runs in pixel space."""
+        return latents.clamp(-1, 1) if latents.dim() == 4 else latents.clamp(-1, 1).transpose(1, 2)
 
     def take_stats(self) -> tuple[int, int]:
         return self.encoder.take_stats()

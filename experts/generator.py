@@ -1,7 +1,8 @@
 """The image generator: the config of the flow-matching generator expert, its model kinds, and its kind.
 
 The generator turns the (refined) prompt into an image with a flow-matching model sampled as an SDE,
-and learns from every reward term (Flow-GRPO). Its kinds are a tiny DiT (`tiny_dit`) and a diffusers
+and learns from every reward term (Flow-GRPO). Its kinds are a tiny DiT (`tiny_dit`), its video form
+(`tiny_video_dit`: clips of task.num_frames frames, patched in time and space) and a diffusers
 flow-matching pipeline of a supported family (`diffusers_flow`: experts/families.py). Pure: no
 driver, cluster or Ray imports; files, models and packages named here are checked by
 driver/preflight.py.
@@ -30,6 +31,17 @@ class TinyDiTConfig(Strict):
     n_layers: PositiveInt = Field(2, description="transformer blocks")
     n_heads: PositiveInt = Field(4, description="attention heads per block")
     patch: PositiveInt = Field(4, description="side of an image patch in pixels (task.image_size must be a multiple)")
+
+
+class TinyVideoDiTConfig(Strict):
+    """The tiny DiT on clips (experts/dit.py): 3D patches of `frame_patch` frames by `patch` pixels."""
+    kind: Literal["tiny_video_dit"] = Field(description="a tiny DiT on clips of task.num_frames frames, "
+                                                        "patched in time and space")
+    d_model: PositiveInt = Field(64, description="width of the transformer")
+    n_layers: PositiveInt = Field(2, description="transformer blocks")
+    n_heads: PositiveInt = Field(4, description="attention heads per block")
+    patch: PositiveInt = Field(4, description="side of a patch in pixels (task.image_size must be a multiple)")
+    frame_patch: PositiveInt = Field(2, description="frames of a patch (task.num_frames must be a multiple)")
 
 
 class DiffusersFlowConfig(Strict):
@@ -98,7 +110,7 @@ class GeneratorConfig(Strict):
     resources: Resources = Field(Resources(), description="what this expert's actor (each rank's) reserves from Ray")
     parallel: ParallelConfig = Field(ParallelConfig(), description="the expert across several processes: ranks "
                                                                    "and strategy (ddp, fsdp)")
-    model: Annotated[TinyDiTConfig | DiffusersFlowConfig, Field(discriminator="kind")] = Field(
+    model: Annotated[TinyDiTConfig | TinyVideoDiTConfig | DiffusersFlowConfig, Field(discriminator="kind")] = Field(
         TinyDiTConfig(), description="the generator's model, by `kind`; a section without kind is tiny_dit")
 
     _kind = model_validator(mode="before")(default_kind("tiny_dit"))
@@ -145,8 +157,9 @@ class GeneratorKind(ExpertKind):
             return family_module(local_model(m.path, m.revision)).Velocity(
                 self.spec, seed, device, **({"part": self.part} if self.part else {}))
         from experts.dit import TinyDiT
+        video = {"frames": self.config.task.num_frames, "frame_patch": m.frame_patch} if m.kind == "tiny_video_dit" else {}
         return TinyDiT(self.config.task.image_size, 3, m.patch, m.d_model, m.n_layers, m.n_heads,
-                       self.config.experts.text_encoder.d_model)
+                       self.config.experts.text_encoder.d_model, **video)
 
     def update_inputs(self, advantages, refined, outputs: list) -> tuple:
         """(its advantage of every sample, then the trajectories of every rollout shard)."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 SHAPES_TERMS = {"image": {"fn": "shapes_image", "weight": 1.0}, "fidelity": {"fn": "shapes_fidelity", "weight": 0.5},
                 "style": {"fn": "shapes_style", "weight": 0.5}, "format": {"fn": "shapes_format", "weight": 0.5}}
+VIDEO_TERMS = {"video": {"fn": "shapes_video", "weight": 1.0},
+               **{name: term for name, term in SHAPES_TERMS.items() if name != "image"}}
 
 
 def build_task(config):
@@ -10,13 +12,26 @@ def build_task(config):
     if config.task.name == "prompts":
         from tasks.prompts_task import PromptsTask
         return PromptsTask(config)
+    if config.task.name == "shapes_video":
+        from tasks.shapes_task import ShapesVideoTask
+        return ShapesVideoTask(config)
     from tasks.shapes_task import ShapesTask
     return ShapesTask(config)
 
 
 def default_terms(task_name: str) -> dict[str, dict]:
     """The reward terms a task is scored with when `reward.terms` is not set."""
-    if task_name == "shapes":
-        return {name: dict(term) for name, term in SHAPES_TERMS.items()}
+    if task_name in ("shapes", "shapes_video"):
+        return {name: dict(term) for name, term in (SHAPES_TERMS if task_name == "shapes" else VIDEO_TERMS).items()}
     raise ValueError(f"task.name={task_name} has no default reward: set reward.terms, e.g. "
                      f"reward.terms={{geneval: {{fn: geneval, weight: 1.0}}}}")
+
+
+def text_vocabulary(task_name: str) -> list[str]:
+    """The words the tiny text encoder reads for a task: the shapes world's, and under
+    `shapes_video` its motion words after them (the shapes words keep their ids)."""
+    if task_name == "shapes_video":
+        from tasks.shapes_video import VIDEO_VOCAB
+        return VIDEO_VOCAB
+    from tasks.shapes import VOCAB
+    return VOCAB

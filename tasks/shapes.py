@@ -51,10 +51,10 @@ def decode_ids(ids) -> list[str]:
     return [VOCAB[i] for i in ids if i not in (PAD, BOS, EOS, SEP)]
 
 
-def known_ids(words, limit: int) -> list[int]:
-    """Ids of the first `limit` of `words` that are in the vocabulary (a refiner of another
-    vocabulary may write words the shapes text encoder cannot read; they are left out)."""
-    return [WORD_TO_ID[w] for w in words if w in WORD_TO_ID and WORD_TO_ID[w] not in (PAD, BOS, EOS, SEP)][:limit]
+def known_ids(words, limit: int, word_ids: dict[str, int] = WORD_TO_ID) -> list[int]:
+    """Ids of the first `limit` of `words` that are in the vocabulary `word_ids` (a refiner of
+    another vocabulary may write words the shapes text encoder cannot read; they are left out)."""
+    return [word_ids[w] for w in words if w in word_ids and word_ids[w] not in (PAD, BOS, EOS, SEP)][:limit]
 
 
 def composed_ids(prompt: list[int], segments: list[list[int]], max_len: int | None) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from common.seeding import derive_seed
 from tasks.shapes import eval_set, paraphrase, prompt_set
+from tasks.shapes_video import video_eval_set, video_prompt_set
 
 
 class ShapesTask:
@@ -27,3 +28,23 @@ class ShapesTask:
 
     def check(self) -> None:
         """Nothing to check: the held-out set is built to share no clause set with training."""
+
+
+class ShapesVideoTask:
+    """`shapes_video`: clips of moving shapes (tasks/shapes_video.py); its held-out set, fixed by
+    `evaluation.seed`, asks nothing a training prompt asks (no objects with the same motion)."""
+    name = "shapes_video"
+
+    def __init__(self, config):
+        self.config = config
+
+    def train_prompts(self) -> list:
+        t = self.config.trainer
+        return video_prompt_set(t.n_train_prompts, derive_seed(t.seed, "prompts"))
+
+    def eval_sets(self) -> dict[str, list]:
+        e = self.config.evaluation
+        return {"held_out": video_eval_set(e.per_category, e.seed, exclude=self.train_prompts())}
+
+    def check(self) -> None:
+        """Nothing to check: the held-out set is built to ask nothing training asks."""

@@ -171,8 +171,9 @@ def no_training(monkeypatch):
 
 
 @pytest.mark.parametrize("args, named", [
-    (["--set", "task.num_frames=4", "--set", "experts.base=null"], "reward.terms.image: shapes_image scores images"),
-    (["--set", "task.num_frames=4", "--set", "experts.base=null", "--set", "reward.terms.image.per_frame={frames: 6}"],
+    (["--config", "shapes-video", "--set", "reward.terms.image={fn: shapes_image}"],
+     "reward.terms.image: shapes_image scores images"),
+    (["--config", "shapes-video", "--set", "reward.terms.image={fn: shapes_image, per_frame: {frames: 6}}"],
      "reward.terms.image.per_frame.frames=6: a clip has 4 frames (task.num_frames); valid values are 1..4"),
     (["--set", "reward.terms.image.per_frame={frames: 2, reduce: mean}"], "reward.terms.image.per_frame: the task"),
     (["--set", "reward.terms.image.per_frame={frames: 2, reduce: max}"], "reward.terms.image.per_frame.reduce"),

@@ -23,6 +23,7 @@ BUILTINS = {
     "shapes_fidelity": "tasks.rewards.shapes:ShapesFidelity",
     "shapes_style": "tasks.rewards.shapes:ShapesStyle",
     "shapes_format": "tasks.rewards.shapes:ShapesFormat",
+    "shapes_video": "tasks.rewards.shapes:ShapesVideo",
 }
 
 

@@ -1,7 +1,8 @@
 """The shapes task's reward terms, each in [0, 1] and scored against the *original* prompt.
 
 `shapes_image` is the programmatic detector's partial credit for the image (its `strict` is
-GenEval-style correctness). The text terms judge a refinement, read from the refiners that own the
+GenEval-style correctness); `shapes_video` the same for a clip of the `shapes_video` world, frame
+by frame and on its motion. The text terms judge a refinement, read from the refiners that own the
 term (every refiner where none does); an unrefined sample scores 0 on each.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import numpy as np
 from tasks.base import Refinement, to_uint8
 from tasks.rewards.base import RewardModel, merged
 from tasks.shapes import COUNT_WORDS, SHAPES, STYLE_WORDS, Prompt, image_checks, strict_correct
+from tasks.shapes_video import clip_checks, clip_correct
 
 
 def fidelity(words: tuple[str, ...], prompt: Prompt) -> float:
@@ -47,6 +49,30 @@ class ShapesImage(RewardModel):
     def strict(self, images, prompts, refinements) -> np.ndarray:
         """GenEval-style correctness: every check of the prompt's clauses passes."""
         return np.array([float(strict_correct(to_uint8(im), p)) for im, p in zip(images, prompts)])
+
+
+class ShapesVideo(RewardModel):
+    """The detector on every frame of a clip (B, F, 3, H, W) and on its motion: each object's colour,
+    shape and count per frame, the direction and extent of the motion the prompt asks
+    (tasks/shapes_video.py `clip_checks`)."""
+    prompt_files = False  # it reads the shapes_video task's prompt records (objects, motion), not text
+    takes = "clips"
+    min_frames = 2  # a motion to judge
+
+    def __call__(self, images, prompts, refinements) -> np.ndarray:
+        return np.array([float(np.mean(clip_checks(clip_of(im), p))) for im, p in zip(images, prompts)])
+
+    def strict(self, images, prompts, refinements) -> np.ndarray:
+        """Every check passes: each object right in every frame, and the motion as asked."""
+        return np.array([float(clip_correct(clip_of(im), p)) for im, p in zip(images, prompts)])
+
+
+def clip_of(sample: np.ndarray) -> np.ndarray:
+    """A generated clip (F, 3, H, W) in [-1, 1] as uint8 (F, H, W, 3); an image is an error named here."""
+    if np.ndim(sample) != 4:
+        raise ValueError(f"shapes_video scores clips (F, 3, H, W), got a sample of shape {np.shape(sample)}: "
+                         f"set task.num_frames")
+    return to_uint8(sample)
 
 
 class ShapesText(RewardModel):
