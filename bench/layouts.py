@@ -135,9 +135,8 @@ def main() -> int:
              "separate: 1 expert rank + 1 rollout worker; colocated: 2 ddp ranks of the generator, no worker. "
              "Planner: driver/layout_plan.py with the per-sample costs it measured in-process before the runs "
              f"(rollout {costs.generate * 1e3:.1f} ms, update {costs.update['generator'] * 1e3:.1f} ms a sample).", "",
-             "**The machine's 2 cores were shared with three other helpers' test and benchmark runs while this ran: "
-             "every time below is noisy; the ratio of two runs made one after the other is what to read.** How much "
-             "of two cores there was to have: two one-thread processes computing at once took "
+             "How much of two cores there was to have (with less than two free, the colocated ranks cannot overlap "
+             "and the ratio says so): two one-thread processes computing at once took "
              + ", ".join(f"{c:.2f}" for c in cores) + "x the time of one alone (before the runs, then after each "
              "round; 1.0 on two free cores, 2.0 with one), so the colocated layout's two ranks could go at most "
              f"{2 / max(cores):.2f}-{2 / min(cores):.2f}x as fast as one process.", "",
