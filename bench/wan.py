@@ -139,7 +139,7 @@ def main() -> int:
     lines = ["# Wan: sampling against diffusers' WanPipeline, and the video update's peak memory", "",
              f"Tiny random Wan2.1 (`tiny:wan2.1`), {BATCH} clips of {FRAMES} frames of {HEIGHT}x{WIDTH} (latent "
              f"16 x {(FRAMES - 1) // 4 + 1} x {HEIGHT // 8} x {WIDTH // 8}), {STEPS} steps, guidance {GUIDANCE}, one "
-             "thread, CPU (2 cores shared with other work: timings are noisy). `python bench/wan.py`. The timing "
+             "thread, CPU (2 cores; other work on the machine makes timings noisy: read the median and the fastest side by side). `python bench/wan.py`. The timing "
              "runs without bench/update.py's fixed mmap threshold, which the memory measurement needs: with it every "
              "large tensor is mapped and unmapped, and the same sampling measured 1.13 (median), the allocator's "
              "cost rather than the sampler's.", "",
