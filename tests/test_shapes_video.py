@@ -9,17 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from driver.bases import base_shaping, digest, refiner_shaping
-from driver.checkpoint import sha256
 from driver.config import ConfigError, load_config, resolve_config
-from experts import state_file
 from experts.dit import TinyDiT
-from experts.frontend import build_text_encoder
-from experts.kinds import build_model
 from tasks.base import to_uint8
 from tasks.rewards.base import Options
 from tasks.rewards.shapes import ShapesVideo
 from tasks.shapes import ObjectClause, VOCAB
+from tests.shipped_bases import check_shipped_base
 from tasks.shapes_video import (VIDEO_CATEGORIES, VIDEO_VOCAB, VideoPrompt, clip_checks, clip_correct,
                                 make_video_prompt, render_clip, video_clause_key, video_eval_set, video_prompt_set)
 
@@ -131,24 +127,9 @@ def test_a_video_config_that_cannot_work_is_refused_naming_the_key(overrides, ma
 
 
 def test_the_shipped_video_base_is_its_manifests_files_made_for_the_preset_and_the_preset_loads_it():
-    folders = sorted(p for p in SHIPPED.iterdir() if p.is_dir())
-    assert [p.name.split("-")[0] for p in folders] == ["base", "refiner"]
-    assert sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file()) < 5 * 2 ** 20  # a few MB
-    config = load_config("shapes-video")
-    made_for = {"base": base_shaping(config), "refiner": refiner_shaping(config, config.experts.refiners[0])}
-    for folder in folders:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        assert manifest["made_from"] == made_for[folder.name.split("-")[0]]
-        assert folder.name.endswith(manifest["key"]) and manifest["key"] == digest(manifest["made_from"])
-        assert {name: sha256(folder / name) for name in manifest["files"]} == manifest["files"]
-    base, refiner = folders
+    base, _ = check_shipped_base("shapes-video", SHIPPED, max_mib=5)
     report = json.loads((base / "eval.json").read_text())["sets"]["held_out"]["unrefined"]
     assert set(report["video/strict"]) == {"overall", *VIDEO_CATEGORIES}
-    for built, file in ((build_model(config, "generator"), base / "generator.safetensors"),
-                        (build_text_encoder(config), base / "text_encoder.safetensors"),
-                        (build_model(config, "refiner_1"), refiner / "refiner.safetensors")):
-        saved = state_file.read_weights(file)
-        assert all(torch.equal(saved[k], v) for k, v in built.state_dict().items()), file
 
 
 def test_the_preset_trains_from_its_base_inline(tmp_path, one_thread):

@@ -11,40 +11,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from driver.bases import base_shaping, digest, refiner_shaping
-from driver.checkpoint import sha256
 from driver.config import ConfigError, load_config
-from experts import state_file
-from experts.frontend import build_text_encoder
-from experts.kinds import build_model
+from tests.shipped_bases import check_shipped_base
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "bases" / "shapes"
 
 
 def test_the_shipped_base_is_its_manifests_files_made_for_the_preset_and_the_preset_loads_it():
-    folders = sorted(p for p in SHIPPED.iterdir() if p.is_dir())
-    assert [p.name.split("-")[0] for p in folders] == ["base", "refiner"]
-    assert sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file()) < 4 * 2 ** 20  # a few MB
-    config = load_config("shapes")
-    made_for = {"base": base_shaping(config), "refiner": refiner_shaping(config, config.experts.refiners[0])}
-    for folder in folders:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        assert manifest["made_from"] == made_for[folder.name.split("-")[0]]
-        assert folder.name.endswith(manifest["key"]) and manifest["key"] == digest(manifest["made_from"])
-        assert {name: sha256(folder / name) for name in manifest["files"]} == manifest["files"]
-    base, refiner = folders
+    base, _ = check_shipped_base("shapes", SHIPPED, max_mib=4)
     assert json.loads((base / "eval.json").read_text())["sets"]["held_out"]["unrefined"]["image/strict"]
-    assert config.experts.generator.init == str(base / "generator.safetensors")
-    assert config.experts.text_encoder.init == str(base / "text_encoder.safetensors")
-    assert {r.init for r in config.experts.refiners} == {str(refiner / "refiner.safetensors")}
-    for built, file in ((build_model(config, "generator"), base / "generator.safetensors"),
-                        (build_text_encoder(config), base / "text_encoder.safetensors"),
-                        (build_model(config, "refiner_2"), refiner / "refiner.safetensors")):
-        saved = state_file.read_weights(file)
-        assert all(torch.equal(saved[k], v) for k, v in built.state_dict().items()), file
 
 
 def test_the_shipped_base_draws_the_held_out_single_objects():

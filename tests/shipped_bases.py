@@ -1,0 +1,40 @@
+"""The check every shipped pretrained base passes (configs/bases/<preset>/, as `jointrl pretrain`
+writes it): its files are the ones its manifests list, made for exactly the preset's settings, a
+few MB in all, and the preset's experts load them bit for bit."""
+import json
+from pathlib import Path
+
+import torch
+
+from driver.bases import base_shaping, digest, refiner_shaping
+from driver.checkpoint import sha256
+from driver.config import load_config
+from experts import state_file
+from experts.frontend import build_text_encoder
+from experts.kinds import build_model
+
+
+def check_shipped_base(preset: str, shipped: Path, max_mib: float) -> tuple[Path, Path]:
+    """Assert the base in `shipped` is the one `preset` starts from; (its base folder, its refiner
+    folder), for the caller's own checks of its eval.json."""
+    folders = sorted(p for p in shipped.iterdir() if p.is_dir())
+    assert [p.name.split("-")[0] for p in folders] == ["base", "refiner"]
+    assert sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file()) < max_mib * 2 ** 20
+    config = load_config(preset)
+    made_for = {"base": base_shaping(config), "refiner": refiner_shaping(config, config.experts.refiners[0])}
+    for folder in folders:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert manifest["made_from"] == made_for[folder.name.split("-")[0]]
+        assert folder.name.endswith(manifest["key"]) and manifest["key"] == digest(manifest["made_from"])
+        assert {name: sha256(folder / name) for name in manifest["files"]} == manifest["files"]
+    base, refiner = folders
+    assert config.experts.generator.init == str(base / "generator.safetensors")
+    assert config.experts.text_encoder.init == str(base / "text_encoder.safetensors")
+    assert {r.init for r in config.experts.refiners} == {str(refiner / "refiner.safetensors")}
+    last_refiner = config.experts.refiner_id(len(config.experts.refiners) - 1)
+    for built, file in ((build_model(config, "generator"), base / "generator.safetensors"),
+                        (build_text_encoder(config), base / "text_encoder.safetensors"),
+                        (build_model(config, last_refiner), refiner / "refiner.safetensors")):
+        saved = state_file.read_weights(file)
+        assert all(torch.equal(saved[k], v) for k, v in built.state_dict().items()), file
+    return base, refiner
