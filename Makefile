@@ -20,7 +20,7 @@ run: $(BIN)/.installed
 	$(BIN)/jointrl train --config shapes
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: $(BIN)/.installed
 	$(BIN)/python bench/perf.py
