@@ -152,14 +152,20 @@ def clause_key(prompt: Prompt) -> tuple:
 def eval_set(per_category: int, seed: int, exclude: list[Prompt] = ()) -> list[Prompt]:
     """A fixed held-out set in full wording, `per_category` prompts per category, none whose clauses
     appear in `exclude` (the training prompts); a small category may repeat a clause set."""
+    return held_out_set(CATEGORIES, make_prompt, clause_key, per_category, seed, exclude)
+
+
+def held_out_set(categories, make, key, per_category: int, seed: int, exclude=()) -> list:
+    """`per_category` prompts drawn by `make(category, rng)` for each category, none whose `key`
+    is a training prompt's (`exclude`): the held-out draw of both shapes worlds."""
     rng = np.random.default_rng(seed)
-    seen = {clause_key(p) for p in exclude}
+    seen = {key(p) for p in exclude}
     out = []
-    for cat in CATEGORIES:
+    for cat in categories:
         for _ in range(per_category):
             for _attempt in range(1000):
-                p = make_prompt(cat, rng)
-                if clause_key(p) not in seen:
+                p = make(cat, rng)
+                if key(p) not in seen:
                     break
             else:
                 raise ValueError(f"no held-out {cat} prompt left: the training prompts cover them all")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tasks.shapes import DIM, PALETTE, SHAPE_AREA, SHAPES, VOCAB, ObjectClause, _mask, _noun, colour_map, detect
+from tasks.shapes import DIM, PALETTE, SHAPE_AREA, SHAPES, VOCAB, ObjectClause, _mask, _noun, colour_map, detect, held_out_set
 
 MOTION_WORDS = ("moving", "up", "down", "growing", "shrinking", "apart", "together")
 VIDEO_VOCAB: list[str] = VOCAB + [w for w in MOTION_WORDS if w not in VOCAB]
@@ -114,19 +114,7 @@ def video_clause_key(prompt: VideoPrompt) -> tuple:
 def video_eval_set(per_category: int, seed: int, exclude: list[VideoPrompt] = ()) -> list[VideoPrompt]:
     """A fixed held-out set in full wording, `per_category` prompts per category, none asking what a
     prompt of `exclude` (the training prompts) asks; a small category may repeat a prompt."""
-    rng = np.random.default_rng(seed)
-    seen = {video_clause_key(p) for p in exclude}
-    out = []
-    for cat in VIDEO_CATEGORIES:
-        for _ in range(per_category):
-            for _attempt in range(1000):
-                p = make_video_prompt(cat, rng)
-                if video_clause_key(p) not in seen:
-                    break
-            else:
-                raise ValueError(f"no held-out {cat} prompt left: the training prompts cover them all")
-            out.append(p)
-    return out
+    return held_out_set(VIDEO_CATEGORIES, make_video_prompt, video_clause_key, per_category, seed, exclude)
 
 
 # --- rendering ---------------------------------------------------------------------------------- #
