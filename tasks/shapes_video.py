@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tasks.shapes import DIM, PALETTE, SHAPE_AREA, SHAPES, VOCAB, ObjectClause, _mask, _noun, colour_map, detect, held_out_set
+from tasks.shapes import (DIM, PALETTE, SHAPE_AREA, SHAPES, VOCAB, ObjectClause, _mask, _noun, colour_map, detect,
+                          held_out_set)
 
 MOTION_WORDS = ("moving", "up", "down", "growing", "shrinking", "apart", "together")
 VIDEO_VOCAB: list[str] = VOCAB + [w for w in MOTION_WORDS if w not in VOCAB]
