@@ -8,7 +8,8 @@ what it wrote inside `<answer>…</answer>`, with whether it kept to that format
 
 With `lora`, peft wraps the model: only the adapter trains, the frozen reference is the same model
 with the adapter disabled (no second copy of the weights), and only adapter weights are synced and
-checkpointed (`synced_state`).
+checkpointed (`synced_state`). `ChatRefiner` holds what it shares with a refiner a vLLM engine
+samples on the rollout workers (experts/vllm_refiner.py): the text in and out, and what a version is.
 """
 from __future__ import annotations
 

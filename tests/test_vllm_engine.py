@@ -154,16 +154,21 @@ def test_refine_samples_draws_from_the_engine_seeded_per_sample(lms, one_thread)
 
 @needs_vllm
 def test_a_run_logs_the_gap_and_inline_equals_ray(lms, ray_session, tmp_path, one_thread):
-    """Two steps with the engine on a rollout worker: the gap and the first ratio logged per step,
-    on policy to 1e-3; the same run inline (the engine in the driver's process) gives the same
-    metrics."""
+    """Two steps with two engines on a rollout worker (a full-weight and a LoRA refiner): the gap and
+    the first ratio logged per step, on policy to 1e-3; the same run inline (the engines in the
+    driver's process) gives the same metrics."""
+    second = [f"experts.refiner_1.{k}" for k in (  # a second engine in the same worker, serving a LoRA refiner
+        f"model={{kind: hf_causal_lm, path: {lms['qwen3']}, lora: {{r: 4, alpha: 8}}}}", "engine=vllm",
+        f"max_new_tokens={NEW_TOKENS}", "vllm.max_model_len=128", "vllm.kv_cache_gib=0.05")]
     rows = {}
     for mode in ("ray", "inline"):
-        config = engine_config(lms["qwen2"], "trainer.steps=2", f"cluster.mode={mode}", "cluster.rollout_workers=1")
+        config = engine_config(lms["qwen2"], "experts.n_refiners=2", *second, "trainer.steps=2",
+                               f"cluster.mode={mode}", "cluster.rollout_workers=1")
         rows[mode], _, _ = run_training(config, tmp_path / mode)
     for row in rows["ray"]:
-        assert row["refiner/refiner_0/logprob_gap"] <= 1e-3 and row["refiner/refiner_0/logprob_gap_max"] < 1e-2
-        assert abs(row["ppo/ratio_mean/refiner_0"] - 1) <= 1e-3
+        for e in ("refiner_0", "refiner_1"):
+            assert row[f"refiner/{e}/logprob_gap"] <= 1e-3 and row[f"refiner/{e}/logprob_gap_max"] < 1e-2, row
+            assert abs(row[f"ppo/ratio_mean/{e}"] - 1) <= 1e-3
     assert_same_training(rows["ray"], rows["inline"], tol=1e-5)
 
 
@@ -224,8 +229,3 @@ def test_the_plan_counts_the_engines_weights_and_kv_cache(lms, capsys):
     hf, vllm = plans["hf"], plans["vllm"]
     assert vllm["KV cache: refiner_0 (vLLM engine)"] == int(0.05 * 2 ** 30)
     assert vllm["weights: refiner_0 (vLLM engine)"] * 2 == hf["weights: refiner_0"]  # bf16 in the engine, fp32 in HF
-
-
-def test_the_plan_of_the_video_preset_measures_its_tiny_builds(capsys):
-    assert cli.main(["plan", "--config", "shapes-video", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["layouts"]["faster"] in ("separate", "colocated")
