@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 
 from driver.config import Config
 from driver.plan import (PROMPT_TOKENS, PlanError, Target, guided, plan_for, refined_samples, step_samples,
-                         trained_steps)
-from experts.memory import generator_architecture, lm_architecture
+                         task_generator, trained_steps)
+from experts.memory import lm_architecture
 
 LAYOUTS = ("separate", "colocated")
 
@@ -98,7 +98,7 @@ def flop_costs(config: Config, tflops: float) -> PhaseCosts:
     """Per-sample costs from FLOPs at `tflops` (see the module docstring)."""
     rate = tflops * 1e12
     g = config.experts.generator
-    arch = generator_architecture(g.model, config.task.image_size)
+    arch = task_generator(config, g.model)  # a video model's clip size too
     tokens = arch.image_tokens + arch.text_tokens
     algo = config.algorithm
     redraws = algo.counterfactual_fraction * len(config.experts.active_refiners()) \
@@ -114,9 +114,22 @@ def flop_costs(config: Config, tflops: float) -> PhaseCosts:
         seq = PROMPT_TOKENS + r.max_new_tokens
         refine[e] = 2 * lm.params * seq / rate
         update[e] = seq * (backward(lm.params, bool(r.model.lora)) + (2 * lm.params if r.kl_beta > 0 else 0)) / rate
-    passes = len(trained_steps(g)) * (guided(g) if g.train_cfg else 1)
-    update["generator"] = passes * tokens * (backward(arch.transformer, bool(g.model.lora))
-                                             + (2 * arch.transformer if g.kl_beta > 0 else 0)) / rate
+    per_step = tokens * (guided(g) if g.train_cfg else 1)
+    if config.experts.generator_low is None:
+        update["generator"] = len(trained_steps(g)) * per_step * (
+            backward(arch.transformer, bool(g.model.lora)) + (2 * arch.transformer if g.kl_beta > 0 else 0)) / rate
+    else:  # Wan2.2-A14B's two transformers, each its own expert, each training the steps it denoises
+        from common.architectures import config_folder
+        from common.loading import load_index
+        from experts.wan import transformer_steps
+        folder = config_folder(g.model.path, g.model.revision)
+        boundary = load_index(str(folder))["boundary_ratio"]
+        sides, _ = transformer_steps(folder, g.sample_steps, trained_steps(g), boundary)
+        for e, side, part in (("generator", "high", "transformer"), ("generator_low", "low", "transformer_2")):
+            spec = config.expert(e)
+            params, _ = arch.per_transformer[part]
+            update[e] = len(sides[side]) * per_step * (backward(params, bool(spec.model.lora))
+                                                       + (2 * params if spec.kl_beta > 0 else 0)) / rate
     return PhaseCosts(refine, generate / rate, {e: update[e] for e in trained(config)},
                       f"FLOPs at {tflops:g} TFLOP/s per GPU (plan.target.gpu_tflops)")
 

@@ -202,6 +202,12 @@ def training_state(trained: int, frozen: int, dtype: str, ranks: int, fsdp: bool
             f"{'frozen base' if lora else 'reference copy'} ({dtype})": width * frozen // shard, **copies}
 
 
+def task_generator(config: Config, model):
+    """The architecture of generator `model` at the task's image or clip size."""
+    t = config.task
+    return generator_architecture(model, t.image_size, t.image_width, t.num_frames)
+
+
 def generator_expert(config: Config, eid: str, rank: int) -> ActorPlan:
     """A generator-kind expert's rank: the generator, or one of Wan2.2-A14B's two transformers when
     each is an expert of its own (`experts.generator_low`), counted alone."""
@@ -213,7 +219,7 @@ def generator_expert(config: Config, eid: str, rank: int) -> ActorPlan:
     share = math.ceil(samples / ranks)
     if m.kind in ("tiny_dit", "tiny_video_dit"):
         return tiny_generator_expert(config, name, share)
-    arch = generator_architecture(m, config.task.image_size, config.task.image_width, config.task.num_frames)
+    arch = task_generator(config, m)
     width = DTYPE_BYTES[m.dtype]
     part = transformer_part(config, eid)
     params, lora = arch.per_transformer["transformer_2" if part == "low" else "transformer"] if part \
@@ -361,7 +367,7 @@ def rollout_parts(config: Config, share: int, experts: set[str]) -> tuple[dict, 
         return params, parts, working
     m = spec.model
     if m.kind == "diffusers_flow":
-        arch = generator_architecture(m, config.task.image_size, config.task.image_width, config.task.num_frames)
+        arch = task_generator(config, m)
         width = DTYPE_BYTES[m.dtype]
         params["generator"] = arch.transformer
         parts["weights: generator"] = arch.transformer * width + arch.lora * 4

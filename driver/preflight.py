@@ -150,16 +150,14 @@ def split_problems(config: Config, folder: Path, index: dict) -> list[str]:
     """Under `experts.generator_low` each transformer's expert trains the trained steps it denoises:
     both need one."""
     from driver.plan import trained_steps
-    from experts.wan import euler_scheduler, split_steps
+    from experts.wan import transformer_steps
     spec = config.experts.generator
-    scheduler = euler_scheduler(json.loads((folder / "scheduler" / "scheduler_config.json").read_text()))
-    scheduler.set_timesteps(spec.sample_steps)
     steps = trained_steps(spec)
-    sides = split_steps(scheduler.sigmas, steps, scheduler.config.num_train_timesteps, index["boundary_ratio"])
+    sides, sigmas = transformer_steps(folder, spec.sample_steps, steps, index["boundary_ratio"])
     return [f"experts.{eid} trains no step: of the trained steps {steps} (experts.generator.sample_steps="
             f"{spec.sample_steps}, sde_window={spec.sde_window}, train_final_step={spec.train_final_step}) its "
             f"{side}-noise transformer denoises none (steps whose sigma is "
-            f"{'at or above' if side == 'high' else 'below'} boundary_ratio {index['boundary_ratio']}: sigmas {[round(float(s), 4) for s in scheduler.sigmas]}); "
+            f"{'at or above' if side == 'high' else 'below'} boundary_ratio {index['boundary_ratio']}: sigmas {[round(float(s), 4) for s in sigmas]}); "
             f"widen experts.generator.sde_window"
             for eid, side in (("generator", "high"), ("generator_low", "low")) if not sides[side]]
 

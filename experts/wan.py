@@ -23,6 +23,8 @@ A clip decodes to (B, F, 3, H, W) in [-1, 1], frames first, the video contract o
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 
 import torch
 
@@ -80,6 +82,15 @@ def split_steps(sigmas: torch.Tensor, steps: list[int], num_train_timesteps: int
     """{"high", "low": the steps among `steps` each transformer of Wan2.2-A14B denoises}."""
     high = high_noise(sigmas, num_train_timesteps, boundary_ratio * num_train_timesteps)
     return {"high": [t for t in steps if high[t]], "low": [t for t in steps if not high[t]]}
+
+
+def transformer_steps(folder, sample_steps: int, steps: list[int], boundary_ratio: float):
+    """({"high", "low": the steps among `steps` each transformer denoises}, the sampling sigmas) under
+    the Euler scheduler of the pipeline whose config files are in `folder`, at `sample_steps` steps."""
+    scheduler = euler_scheduler(json.loads((Path(folder) / "scheduler" / "scheduler_config.json").read_text()))
+    scheduler.set_timesteps(sample_steps)
+    return split_steps(scheduler.sigmas, steps, scheduler.config.num_train_timesteps, boundary_ratio), \
+        scheduler.sigmas
 
 
 class Velocity(FamilyVelocity):

@@ -170,3 +170,14 @@ def test_the_plan_of_the_video_preset_measures_its_tiny_builds(capsys):
     layouts' costs are measured."""
     assert cli.main(["plan", "--config", "shapes-video", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["layouts"]["faster"] in ("separate", "colocated")
+
+
+@pytest.mark.parametrize("preset", ["wan2.1-1.3b", "wan-promptrl", "wan2.2-a14b"])
+def test_the_layouts_of_a_video_preset_are_costed_at_its_clip_size(preset, capsys):
+    """The FLOP estimate reads the video model at the task's frames and size (not as an image), and
+    Wan2.2-A14B's two experts each train the steps their transformer denoises."""
+    assert cli.main(["plan", "--config", preset, "--json"]) == 0
+    costs = json.loads(capsys.readouterr().out)["layouts"]["costs"]
+    assert costs["generate"] > 0 and all(v > 0 for v in costs["update"].values())
+    if preset == "wan2.2-a14b":
+        assert set(costs["update"]) >= {"generator", "generator_low"}
