@@ -39,12 +39,18 @@ CATEGORIES = ("single_object", "two_objects", "counting", "colors", "position", 
 
 def encode_words(words: list[str]) -> list[int]:
     """Word ids for a prompt's `words`; an empty, over-long or unknown-word prompt is an error."""
-    if not words or len(words) > MAX_PROMPT_WORDS:
-        raise ValueError(f"a prompt needs 1 to {MAX_PROMPT_WORDS} words, got {len(words)}: {' '.join(words)!r}")
-    unknown = [w for w in words if w not in WORD_TO_ID]
+    return encode_in(words, WORD_TO_ID, MAX_PROMPT_WORDS, "shapes")
+
+
+def encode_in(words: list[str], word_to_id: dict[str, int], max_words: int, world: str) -> list[int]:
+    """Word ids of `words` in the vocabulary `word_to_id` of the task `world` (shapes or its video
+    world), at most `max_words` of them; an empty, over-long or unknown-word prompt is an error."""
+    if not words or len(words) > max_words:
+        raise ValueError(f"a prompt needs 1 to {max_words} words, got {len(words)}: {' '.join(words)!r}")
+    unknown = [w for w in words if w not in word_to_id]
     if unknown:
-        raise ValueError(f"words outside the shapes vocabulary: {unknown}")
-    return [WORD_TO_ID[w] for w in words]
+        raise ValueError(f"words outside the {world} vocabulary: {unknown}")
+    return [word_to_id[w] for w in words]
 
 
 def decode_ids(ids) -> list[str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tasks.shapes import (DIM, PALETTE, SHAPE_AREA, SHAPES, VOCAB, ObjectClause, _mask, _noun, colour_map, detect,
-                          held_out_set)
+                          encode_in, held_out_set)
 
 MOTION_WORDS = ("moving", "up", "down", "growing", "shrinking", "apart", "together")
 VIDEO_VOCAB: list[str] = VOCAB + [w for w in MOTION_WORDS if w not in VOCAB]
@@ -68,12 +68,7 @@ class VideoPrompt:
 
 def encode_video_words(words: list[str]) -> list[int]:
     """Word ids in the video vocabulary; an empty, over-long or unknown-word prompt is an error."""
-    if not words or len(words) > MAX_VIDEO_WORDS:
-        raise ValueError(f"a prompt needs 1 to {MAX_VIDEO_WORDS} words, got {len(words)}: {' '.join(words)!r}")
-    unknown = [w for w in words if w not in VIDEO_WORD_TO_ID]
-    if unknown:
-        raise ValueError(f"words outside the shapes_video vocabulary: {unknown}")
-    return [VIDEO_WORD_TO_ID[w] for w in words]
+    return encode_in(words, VIDEO_WORD_TO_ID, MAX_VIDEO_WORDS, "shapes_video")
 
 
 def motion_phrase(motion: str) -> str:
