@@ -15,7 +15,7 @@ from pathlib import Path
 
 import ray
 
-from cluster.connect import connect
+from cluster.connect import connect, end_private_ray
 from cluster.placement import Placement
 
 
@@ -45,4 +45,4 @@ def placed_ids(config, gpu_groups: list[list[tuple[str, float]]], gpus: int, ver
         if placement is not None:
             placement.release()
         if started:
-            ray.shutdown()
+            end_private_ray()

@@ -3,8 +3,9 @@
 Exit status: 0 on success; 2 for a bad config or value (nothing is started), or an actor that could
 not start because of a setting (a model that cannot be loaded, a refused setting); 1 if training
 fails otherwise; 3 when the rewards failed on every sample of `reward.max_failed_steps` steps in a
-row (the run checkpointed its last step and can be resumed once the reward is fixed); 130 and 143
-when SIGINT or SIGTERM stopped it (checkpointed, resumable).
+row (the run checkpointed its last step and can be resumed once the reward is fixed); 130, 143 and
+129 when SIGINT, SIGTERM or SIGHUP stopped it (checkpointed, resumable; also when Ray ended before
+that checkpoint could be written: the line then names the last one that exists).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import itertools
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,7 +21,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cluster.startup import start_failure
+from common.loading import one_line
 from driver.config import Config, ConfigError, load_config, run_config
+from driver.interrupts import EXIT_CODES
 from driver.metrics import progress_line
 
 
@@ -185,39 +189,71 @@ class Progress:
             self.bar.close()
 
 
-def train(config: Config, run_dir: Path, resume: Path | None = None) -> dict:
-    """Run training in the configured mode (from checkpoint `resume` if given), streaming progress;
-    returns the driver's summary, with `interrupted` (the Interrupts) when a signal stopped it."""
+def train(config: Config, run_dir: Path, interrupts, resume: Path | None = None) -> dict:
+    """Run training in the configured mode (from checkpoint `resume` if given), streaming progress,
+    stopped by the signals `interrupts` (installed by the caller) receives; returns the driver's
+    summary. A signal that came before the driver is up stops the run before its first step, and
+    before anything starts where Ray was not yet reached (the summary's `checkpoint` is then None).
+    Where Ray ends under the run, the summary has `ray_gone` instead (said at once, in one line)."""
     import ray
 
+    from cluster.connect import RayGone, end_private_ray
     from driver.checkpoint import step_of
-    from driver.interrupts import Interrupts
-    from driver.launch import follow, start_driver, stop_driver
+    from driver.launch import start_driver
     from driver.preflight import fits_cluster
-    progress = Progress(config.trainer.steps, step_of(resume) if resume else 0)
+    start = step_of(resume) if resume else 0
+    not_started = {"steps": start, "stopped": True, "rewards_failed": None, "checkpoint": None}
+    progress = Progress(config.trainer.steps, start)
     started_here = config.cluster.mode == "ray" and not ray.is_initialized()
     try:
+        if interrupts.requested:
+            return not_started
         if config.cluster.mode == "inline":
             driver = start_driver(config, run_dir, resume)
-            with Interrupts(on_first=driver.instance.stop) as interrupts:
-                return {**driver.instance.run(on_row=progress), "interrupted": interrupts}
+            interrupts.forward(driver.instance.stop)
+            return driver.instance.run(on_row=progress)
         connect_to(config.cluster.address, None if config.logging.ray_verbose else run_dir / "ray.log")
+        if interrupts.requested:
+            return not_started
         fits_cluster(config)
-        driver = start_driver(config, run_dir, resume)
-        try:
-            with Interrupts() as interrupts:
-                done = driver.run.remote()
-                seen = follow(driver, done, progress, until=lambda _: interrupts.requested)
-                if interrupts.requested:
-                    driver.stop.remote()
-                    follow(driver, done, progress, seen=seen)
-                return {**ray.get(done), "interrupted": interrupts}
-        finally:
-            stop_driver(driver)
+        return follow_on_ray(start_driver(config, run_dir, resume), interrupts, progress)
+    except RayGone as gone:  # said now: ending a Ray that lost a process takes Ray a while
+        print(f"jointrl: {ray_gone_line(gone, interrupts, run_dir)}", file=sys.stderr, flush=True)
+        return {"ray_gone": str(gone)}
     finally:
         progress.close()
         if started_here:
-            ray.shutdown()
+            end_private_ray()
+
+
+def follow_on_ray(driver, interrupts, progress: Progress) -> dict:
+    """The summary of the run of `driver` (a Ray actor, started), streaming its rows to `progress`;
+    a signal (`interrupts`) sends it `stop` at the next look (every 0.1 s). Its actors are stopped
+    at the end, unless Ray itself is gone (RayGone)."""
+    import ray
+
+    from cluster.connect import RayGone
+    from cluster.runtime import get
+    from driver.launch import follow, stop_driver
+    reachable = True
+    try:
+        if interrupts.requested:  # it came while the driver started
+            get(driver.stop.remote())
+        done = driver.run.remote()
+        seen = follow(driver, done, progress, until=lambda _: interrupts.requested)
+        if interrupts.requested:
+            driver.stop.remote()
+            follow(driver, done, progress, seen=seen)
+        return ray.get(done)
+    except RayGone:
+        reachable = False
+        raise
+    except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError, ConnectionError) as e:
+        reachable = False
+        raise RayGone(f"the driver actor could not be reached ({one_line(e)})") from e
+    finally:
+        if reachable:
+            stop_driver(driver)
 
 
 def connect_to(address: str | None, log_file: Path | None = None) -> None:
@@ -291,6 +327,15 @@ def run_pretrain(args) -> int:
 
 
 def run_train(args) -> int:
+    """Train, or resume; signals are handled from before the run's folder is prepared until the
+    command has said how the run ended (driver/interrupts.py)."""
+    from driver.interrupts import Interrupts
+    with Interrupts() as interrupts:
+        return train_command(args, interrupts)
+
+
+def train_command(args, interrupts) -> int:
+    from driver.checkpoint import step_of
     from driver.run_lock import run_lock
     if args.resume:
         path, config = Path(args.resume), None
@@ -309,7 +354,7 @@ def run_train(args) -> int:
               f"{len(config.experts.active_refiners())} refiners + generator, credit={config.algorithm.credit})"
               + (f", resuming from {resume}" if resume else ""), flush=True)
         try:
-            summary = train(config, path, resume)
+            summary = train(config, path, interrupts, resume)
         except (ConfigError, KeyboardInterrupt):
             raise
         except Exception as e:  # the run dir keeps whatever was written: metrics so far, checkpoints
@@ -319,7 +364,13 @@ def run_train(args) -> int:
             cause = getattr(e, "cause", None) or e
             print(f"jointrl: training failed: {failure(cause)}\n  run dir: {path}", file=sys.stderr)
             return 1
-    interrupts = summary["interrupted"]
+    if "ray_gone" in summary:  # said as it was found
+        return interrupts.exit_code if interrupts.requested else 1
+    if summary["checkpoint"] is None:
+        print(f"jointrl: stopped by {interrupts.name} while the run was starting, before anything was trained; "
+              + (f"it keeps its checkpoint {resume}; resume with: jointrl train --resume {path}" if resume else
+                 f"{path} holds no run: start it again with the same command"), flush=True)
+        return interrupts.exit_code
     if summary["rewards_failed"]:
         print(f"jointrl: stopped after step {summary['steps']} of {config.trainer.steps}: "
               f"{summary['rewards_failed']}. Nothing already trained is lost: checkpoint {summary['checkpoint']}\n"
@@ -327,15 +378,31 @@ def run_train(args) -> int:
               file=sys.stderr, flush=True)
         return REWARDS_FAILED
     if summary["stopped"]:
-        print(f"jointrl: stopped by {interrupts.name} after step {summary['steps']} of {config.trainer.steps}; "
+        trained = summary["steps"] > (step_of(resume) if resume else 0)
+        done = f"after step {summary['steps']}" if trained else "before training a step"
+        print(f"jointrl: stopped by {interrupts.name} {done} of {config.trainer.steps}; "
               f"checkpoint {summary['checkpoint']}\n  resume with: jointrl train --resume {path}", flush=True)
         return interrupts.exit_code
+    if interrupts.requested:
+        print(f"jointrl: {interrupts.name} came as the last step ended: the run is complete", flush=True)
     print(f"jointrl: done, {summary['steps']} steps, final {progress_line(summary['last'])}\n"
           f"  run dir:     {path}\n  metrics:     {path / 'metrics.jsonl'}\n"
           f"  config:      {path / 'config.yaml'}\n  checkpoints: {path / 'checkpoints'}", flush=True)
     if config.logging.report:
         print(report_lines(path, config), flush=True)
     return 0
+
+
+def ray_gone_line(gone, interrupts, run_dir: Path) -> str:
+    """One line: Ray ended under the run (after a signal: before the stop's checkpoint was
+    written), the last checkpoint that exists and how to resume from it."""
+    from driver.checkpoint import all_checkpoints, step_of
+    saved = all_checkpoints(run_dir)
+    kept = (f"the last checkpoint is {saved[-1]} (step {step_of(saved[-1])}); resume with: jointrl train "
+            f"--resume {run_dir}" if saved else f"no checkpoint was written, so {run_dir} cannot be resumed")
+    if interrupts.requested:
+        return f"stopped by {interrupts.name}, but Ray ended before the checkpoint could be written ({gone}); {kept}"
+    return f"training failed: Ray ended under the run ({gone}); {kept}"
 
 
 def report_lines(run_dir: Path, config: Config) -> str:
@@ -435,7 +502,9 @@ def run_score(args) -> int:
 
 def main(argv=None) -> int:
     """Every command; a user's error (ConfigError) is one paragraph on stderr and exit status 2, a
-    second Ctrl-C stops at once with 130."""
+    second signal stops at once with its status (130 for Ctrl-C). Run as the command (no `argv`),
+    its status is final once said: a signal while the interpreter exits (Ray's and torch's
+    teardown, about a second) is ignored rather than end the process with another status."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
@@ -443,6 +512,10 @@ def main(argv=None) -> int:
                 "download": run_download, "plan": run_plan}[args.command](args)
     except ConfigError as e:
         return config_error(e)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # a second signal (StopNow) or Ctrl-C outside a run
         print("jointrl: stopped at once; the run keeps its last checkpoint", file=sys.stderr, flush=True)
-        return 130
+        return getattr(stop, "exit_code", 130)
+    finally:
+        if argv is None:
+            for s in EXIT_CODES:
+                signal.signal(s, signal.SIG_IGN)

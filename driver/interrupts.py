@@ -1,25 +1,37 @@
-"""Ctrl-C and SIGTERM while a run trains: the first asks the run to stop after the step under way
-(it then checkpoints the last completed step), a second stops at once.
+"""Signals that stop a run: the first asks the run to stop after the step under way (it then
+checkpoints the last completed step), a second stops at once.
 
-SIGTERM is what a scheduler, `ray job stop` and Kubernetes send; it is handled like Ctrl-C.
+SIGTERM is what a scheduler, `ray job stop` and Kubernetes send, SIGHUP what a closed terminal
+sends; both are handled like Ctrl-C. A signal the process was started ignoring (`nohup` ignores
+SIGHUP) stays ignored. The exit status is 128 + the signal's number, as a shell reports a process
+the signal ended.
 """
 from __future__ import annotations
 
 import signal
 import sys
 
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+
+
+class StopNow(KeyboardInterrupt):
+    """A second signal: stop at once, with the exit status of that signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = EXIT_CODES[signum]
 
 
 class Interrupts:
-    """Installed for a `with` block in the main thread: `on_first()` runs on the first signal, a
-    second raises KeyboardInterrupt."""
+    """Installed for a `with` block in the main thread: the first signal calls the function given
+    to `forward` (once there is one), a second raises StopNow."""
 
-    def __init__(self, on_first=lambda: None):
-        self.on_first, self.signum, self.previous = on_first, None, {}
+    def __init__(self):
+        self.signum, self.previous, self.stop = None, {}, None
 
     def __enter__(self) -> "Interrupts":
-        self.previous = {s: signal.signal(s, self.handle) for s in EXIT_CODES}
+        self.previous = {s: signal.signal(s, self.handle) for s in EXIT_CODES
+                         if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -28,11 +40,18 @@ class Interrupts:
 
     def handle(self, signum, frame) -> None:
         if self.signum is not None:
-            raise KeyboardInterrupt
+            raise StopNow(signum)
         self.signum = signum
         print(f"\njointrl: {signal.Signals(signum).name} received: finishing the step under way and saving a "
               f"checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
-        self.on_first()
+        if self.stop is not None:
+            self.stop()
+
+    def forward(self, stop) -> None:
+        """From now on the first signal calls `stop()`; if it came already, call it now."""
+        self.stop = stop
+        if self.requested:
+            stop()
 
     @property
     def requested(self) -> bool:

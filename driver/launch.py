@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cluster.connect import check_private_ray
 from cluster.expert_actor import ExpertActor
 from cluster.placement import Placement
 from cluster.runtime import InlineHandle, Runtime, get
@@ -66,11 +67,13 @@ def planned_gpus(config) -> list[list[tuple[str, float]]] | None:
     return plan_for(config, cluster_target(config)).gpu_groups()
 
 
-def follow(driver, done, on_row=None, seen: int = 0, until=None, interval_s: float = 0.5) -> int:
+def follow(driver, done, on_row=None, seen: int = 0, until=None, interval_s: float = 0.1) -> int:
     """Hand each new metrics row of the running `driver` to `on_row`, until its run (the ObjectRef
-    `done`) has ended or `until(rows seen)` holds; returns the rows seen."""
+    `done`) has ended or `until(rows seen)` holds; returns the rows seen. Raises RayGone once the
+    private Ray under the run has lost a process (its calls would wait for it for a minute)."""
     import ray
     while True:
+        check_private_ray()
         finished = bool(ray.wait([done], timeout=interval_s)[0])
         for row in get(driver.poll.remote(seen)):
             if on_row:

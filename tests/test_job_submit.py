@@ -159,3 +159,23 @@ def test_the_dashboard_and_job_api_listen_on_loopback_only(head):
     """Ray 2.60 binds its GCS and raylet ports on every interface whatever --node-ip-address says
     (token authentication guards them); the dashboard and job API follow --dashboard-host."""
     assert not listens_beyond_loopback(head["dashboard_port"])
+
+
+def test_a_run_attached_to_a_cluster_stops_on_a_signal_to_its_group_and_checkpoints(head, tmp_path):
+    """A run attached to a cluster it did not start (RAY_ADDRESS): the cluster's processes are not
+    the command's, so a signal to the command's process group reaches the command alone, which
+    stops the run after the step under way and checkpoints it."""
+    run_dir = tmp_path / "attached"
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{head['gcs_port']}", "RAY_AUTH_MODE": "token"}
+    proc = subprocess.Popen([sys.executable, "-m", "driver", "train", "--config", "shapes-tiny", "--set",
+                             "trainer.steps=500", "--run-dir", str(run_dir)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    while not metrics.is_file() or len(metrics.read_text().splitlines()) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and f"resume with: jointrl train --resume {run_dir}" in out, err[-3000:]
+    done = len(metrics.read_text().splitlines())
+    assert (run_dir / "checkpoints" / f"step_{done:06d}" / "manifest.json").is_file()
