@@ -47,7 +47,7 @@ class SleepyExpert(ExpertActor):
 
     def apply(self, step: int, advantages, shards) -> dict:
         time.sleep(self.SLEEP_S)
-        return {"loss": 0.0, "kl": 0.0, "ratio_mean": 1.0}
+        return {"loss": 0.0, "kl": 0.0, "ratio_mean": 1.0, "grad_norm": 0.0}
 
 
 def train(work: Path, name: str, overrides: list[str], preset: str = "shapes", expert_cls=ExpertActor) -> list[dict]:

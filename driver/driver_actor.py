@@ -99,8 +99,8 @@ class DriverActor:
             total = total_reward(meta.terms, cfg.reward.weights)
             if meta.images is not None:
                 self.log_samples(step, rollout, total, valid)
-        return metrics.step_row(step, cfg, meta, total, valid, rollout.refined, self.owns, lag, self.experts.versions,
-                                stats, self.faults.as_dict(), sync, timings)
+        return metrics.step_row(step, cfg, meta, total, valid, rollout.refined, rollout.groups, self.owns, lag,
+                                self.experts.versions, stats, self.faults.as_dict(), sync, timings)
 
     def log_samples(self, step: int, rollout, total: np.ndarray, valid: np.ndarray) -> None:
         """The step's first `logging.images_per_log` samples, with their prompts and rewards."""

@@ -14,7 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from algorithm.credit import total_reward
+from algorithm.similarity import SimilaritySums, group_similarity
 from tasks.reward_guard import FAULTS, RewardFaults
+
+ZERO_SPREAD = 1e-8  # a group's reward std at most this is no spread (float noise on equal totals)
 
 
 @contextmanager
@@ -27,15 +30,17 @@ def marked_timer(name: str, timings: dict[str, float]):
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
-def step_row(step: int, config, meta, total: np.ndarray, valid: np.ndarray, refined: np.ndarray,
+def step_row(step: int, config, meta, total: np.ndarray, valid: np.ndarray, refined: np.ndarray, groups: np.ndarray,
              owns: dict[str, list[str]], lag: dict[str, np.ndarray], versions: dict[str, int],
              stats: dict[str, dict], actor_faults: dict[str, int], sync, timings: dict[str, float]) -> dict:
     """The metrics row of a step: `meta` is its rollout's (experts/pipeline.py), `valid` the samples
-    learnt from, `owns` each refiner's terms, `lag` each sample's versions behind each expert,
-    `stats` the updates', `sync` the publish's result and `timings` the driver's phases (marked_timer)."""
+    learnt from, `groups` each sample's prompt group, `owns` each refiner's terms, `lag` each
+    sample's versions behind each expert, `stats` the updates', `sync` the publish's result and
+    `timings` the driver's phases (marked_timer)."""
     return {"step": step, "n_experts": len(versions), "credit": config.algorithm.credit,
             "rollouts": (step + 1) * config.trainer.prompts_per_step * config.algorithm.group_size,
             **reward_metrics(meta.terms, total, valid, refined & valid, owns),
+            **group_metrics(total, valid, groups, meta.similarity),
             **fault_metrics(meta.faults, actor_faults, meta.valid, valid),
             **{f"version/{e}": v for e, v in versions.items()}, "version/text_encoder": meta.versions[0]["text_encoder"],
             **update_metrics(stats),
@@ -63,14 +68,29 @@ def reward_metrics(terms: dict[str, np.ndarray], total: np.ndarray, valid: np.nd
     return row
 
 
+def group_metrics(total: np.ndarray, valid: np.ndarray, groups: np.ndarray, similarity: SimilaritySums) -> dict:
+    """Over the prompt groups with a valid sample: groups/zero_std, the share whose total reward has
+    no spread over their valid samples (population std, algorithm/credit.py's, at most ZERO_SPREAD:
+    every advantage 0, nothing for the generator to learn from that group) and groups/reward_std,
+    the mean of those stds; groups/similarity, the mean over groups of their samples' mean pairwise
+    similarity (algorithm/similarity.py; every sample generated, valid or not). None without any."""
+    stds = np.array([total[(groups == g) & valid].std() for g in np.unique(groups[valid])])
+    alike = list(group_similarity(similarity).values())
+    return {"groups/zero_std": float(np.mean(stds <= ZERO_SPREAD)) if len(stds) else None,
+            "groups/reward_std": float(stds.mean()) if len(stds) else None,
+            "groups/similarity": float(np.mean(alike)) if alike else None}
+
+
 def update_metrics(stats: dict[str, dict]) -> dict:
     """loss/<id>, kl/<id> and ppo/ratio_mean/<id> of every expert updated this step (the mean ratio
-    of its new to its rollout log-probs: 1 on-policy, the first check of a new setup), a refiner's
+    of its new to its rollout log-probs: 1 on-policy, the first check of a new setup), its
+    grad_norm/<id> (the gradient's global norm before clipping, experts/expert.py), a refiner's
     refiner/<id>/logprob_gap and _max (mean and largest |trainer - rollout| log-prob per token: 0 to
     rounding with engine=hf, the engine's error with vllm), and ppo/ratio_mean, the generator's."""
     row = {}
     for e, s in stats.items():
         row[f"loss/{e}"], row[f"kl/{e}"], row[f"ppo/ratio_mean/{e}"] = s["loss"], s["kl"], s["ratio_mean"]
+        row[f"grad_norm/{e}"] = s["grad_norm"]
         if "logprob_gap" in s:  # a refiner's
             row[f"refiner/{e}/logprob_gap"], row[f"refiner/{e}/logprob_gap_max"] = s["logprob_gap"], \
                 s["logprob_gap_max"]

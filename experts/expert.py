@@ -209,8 +209,10 @@ class Expert:
 
     def apply(self, step: int, advantages: np.ndarray, shards: tuple[dict, ...]) -> dict:
         """The optimizer step itself: the kind's loss on the shards, its gradient, one clipped step;
-        its stats. A non-finite loss leaves the weights as they were. In a gang each rank takes its
-        share of the samples; their gradients and stats are summed across ranks."""
+        its stats, with `grad_norm`, the norm of the whole gradient before clipping (micro-batches
+        add up to one gradient and one optimizer step: one norm per update). A non-finite loss leaves
+        the weights as they were. In a gang each rank takes its share of the samples; their gradients
+        and stats are summed across ranks."""
         adv = torch.tensor(np.asarray(advantages), dtype=torch.float32, device=self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -230,6 +232,6 @@ class Expert:
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"{self.expert_id}: non-finite loss at step {step}; update not applied")
-        torch.nn.utils.clip_grad_norm_(self.trainable, self.config.algorithm.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.config.algorithm.grad_clip)
         self.optimizer.step()
-        return {"loss": loss, **stats}
+        return {"loss": loss, **stats, "grad_norm": parallel.whole_norm(norm)}

@@ -220,6 +220,13 @@ def sum_gradients(params: list[nn.Parameter]) -> None:
         offset += g.numel()
 
 
+def whole_norm(norm: torch.Tensor) -> float:
+    """The norm `clip_grad_norm_` returned, as the whole gradient's: under fsdp a DTensor over the
+    sharded gradients (torch 2.13 returns it replicated, already reduced; one still partial is
+    reduced here, every rank calling); under ddp every rank holds the summed gradient already."""
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
 def stats_dtype(device: torch.device) -> torch.dtype:
     """float64 where the device's collectives carry it (gloo on the host; NCCL on CUDA, whose
     ncclFloat64 pytorch maps from at::kDouble), float32 on any other device (MPS has no float64,

@@ -24,6 +24,7 @@ import torch
 from algorithm.batch import Sample
 from algorithm.losses import kept_states, trained_steps
 from algorithm.sde import sample, sde_steps
+from algorithm.similarity import SimilaritySums, group_sums, signatures
 from common.seeding import generator
 from experts.frontend import build_frontend
 from experts.generator import LOW_NOISE
@@ -40,10 +41,11 @@ from tasks.rewards.term import build_scorer, sample_scorer
 class RolloutMeta:
     """What the driver reads of a rollout: per sample its reward terms, whether they are valid (the
     reward neither failed nor gave NaN), the version vector it was made with, its counterfactual
-    reward terms per refiner (NaN where not drawn) and refinements; for the batch its reward faults, the text
-    cache's hits and misses, the seconds it took, and, when they are logged, the images (uint8) of
-    the step's first `logging.images_per_log` samples only (clips are large: 81 frames of 480 x 832
-    are 97 MB)."""
+    reward terms per refiner (NaN where not drawn) and refinements; for the batch its reward faults,
+    per prompt group the sums its samples' similarity is merged from (algorithm/similarity.py: the
+    images stay where they were made), the text cache's hits and misses, the seconds it took, and,
+    when they are logged, the images (uint8) of the step's first `logging.images_per_log` samples
+    only (clips are large: 81 frames of 480 x 832 are 97 MB)."""
     samples: list[int]
     terms: dict[str, np.ndarray]
     valid: np.ndarray
@@ -51,6 +53,7 @@ class RolloutMeta:
     counterfactual: dict[str, dict[str, np.ndarray]]
     refinements: list[dict[str, str]]
     faults: RewardFaults
+    similarity: SimilaritySums
     cache_hits: int
     cache_misses: int
     busy_s: float
@@ -73,6 +76,7 @@ class RolloutMeta:
             faults.add(m.faults)
         return RolloutMeta(joined("samples"), arrays("terms"), np.concatenate([m.valid for m in metas]),
                            joined("versions"), nested("counterfactual"), joined("refinements"), faults,
+                           SimilaritySums.join([m.similarity for m in metas]),
                            sum(m.cache_hits for m in metas), sum(m.cache_misses for m in metas),
                            max(m.busy_s for m in metas),
                            None if metas[0].images is None else np.concatenate([m.images for m in metas]))
@@ -212,18 +216,20 @@ class RolloutPipeline:
         noise = self.noise(step, samples)
         cond = self.frontend.condition([s.prompt for s in samples], refinements)
         states, logps = self.generate(cond, noise, sde=True)
-        images = self.frontend.decode(states[:, -1]).cpu().numpy()
+        decoded = self.frontend.decode(states[:, -1])
+        similarity = group_sums(signatures(decoded), [s.group for s in samples])  # reduced on the device
+        images = decoded.cpu().numpy()
         # on the host before the rewards and the regenerations: the device holds one chunk's latents at a time
         kept, logps = states[:, self.state_steps.to(states.device)].cpu(), logps.cpu()
         per_sample, shared = split_shared({k: v.cpu() for k, v in cond.items()})
-        del states, cond
+        del states, cond, decoded
         faults = RewardFaults()
         terms, valid = self.reward(images, samples, refinements, faults)
         counterfactual = self.counterfactual(step, samples, refinements, noise, faults)
         shown = to_uint8(images[[s.sample < self.config.logging.images_per_log for s in samples]]) \
             if self.shows_images(step) else None
         meta = RolloutMeta([s.sample for s in samples], terms, valid, [self.version_vector()] * len(samples),
-                           counterfactual, as_text(refinements), faults, 0, 0, 0.0, shown)
+                           counterfactual, as_text(refinements), faults, similarity, 0, 0, 0.0, shown)
         return Chunk(meta, kept, logps, per_sample, shared, tokens)
 
     def shows_images(self, step: int) -> bool:
