@@ -442,6 +442,12 @@ class TaskConfig(Strict):
     split: str = Field("train", description="prompts: the split of a dataset id or a DatasetDict folder for "
                                             "task.train")
     eval_split: str | None = Field(None, description="prompts: the split for task.eval; None: task.split")
+    compose: Literal["append", "replace"] = Field(
+        "append", description="what the generator's text encoder reads of a refined sample: append: the prompt, "
+                              "then each refinement; replace: the refinements alone, in place of the prompt, as "
+                              "PromptRL's code feeds its generator the rewrite (a sample no refiner wrote for, "
+                              "e.g. one of algorithm.num_skip_refinement, reads the prompt). The reward is always "
+                              "scored against the original prompt")
 
     def eval_sources(self) -> dict[str, str]:
         """Every evaluation set by name (a single source is named `eval`)."""
@@ -491,6 +497,14 @@ class Config(Strict):
         for i, r in enumerate(self.experts.refiners):
             if r.owns is None:
                 r.owns = default_owns(i, n, text) or list(self.reward.terms)
+        return self
+
+    @model_validator(mode="after")
+    def _replace_needs_refiners(self):
+        if self.task.compose == "replace" and not self.experts.active_refiners():
+            raise ValueError("task.compose=replace feeds the generator the refiners' text in place of the prompt, but "
+                             "this run has no refiner (experts.generator_only=true or experts.n_refiners=0): "
+                             "valid values here: task.compose=append")
         return self
 
     @model_validator(mode="after")

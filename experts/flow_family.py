@@ -163,9 +163,12 @@ class FamilyFrontEnd:
         raise NotImplementedError
 
     def compose(self, prompt, refs: dict, drop: str | None) -> str:
-        """The prompt, then each refiner's refinement (except `drop`), as one text."""
+        """The prompt, then each refiner's refinement (except `drop`), as one text; under
+        task.compose=replace the refinements alone, where any was written (PromptRL's generator
+        reads the rewrite instead of the prompt)."""
         order = self.config.experts.active_refiners()
-        return ", ".join([prompt.text, *[refs[e].text for e in order if e in refs and e != drop and refs[e].text]])
+        written = [refs[e].text for e in order if e in refs and e != drop and refs[e].text]
+        return ", ".join(written if written and self.config.task.compose == "replace" else [prompt.text, *written])
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:

@@ -43,12 +43,14 @@ class ShapesFrontEnd:
     def condition(self, prompts: list, refinements: list[dict], drop: str | None = None) -> dict[str, torch.Tensor]:
         """The encoder's features of <bos> prompt, then <sep> y_k for each refiner (except `drop`),
         the prompt's and each refinement's words in the encoder's vocabulary (it cannot read others),
-        cut at the encoder's `max_sequence_length` (tasks.shapes.composed_ids)."""
+        cut at the encoder's `max_sequence_length` (tasks.shapes.composed_ids); under
+        task.compose=replace the refinements alone, where any was written."""
         order = self.config.experts.active_refiners()
         seqs = [composed_ids(known_ids(p.text.split(), MAX_PROMPT_WORDS, self.word_ids),
                              [known_ids(refs[e].words, self.config.expert(e).max_new_tokens, self.word_ids)
                               for e in order if e in refs and e != drop],
-                             self.config.experts.text_encoder.max_sequence_length)
+                             self.config.experts.text_encoder.max_sequence_length,
+                             replace=self.config.task.compose == "replace")
                 for p, refs in zip(prompts, refinements)]
         text, text_pad = self.encoder(seqs)
         return {"text": text, "text_pad": text_pad}

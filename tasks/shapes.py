@@ -63,10 +63,15 @@ def known_ids(words, limit: int, word_ids: dict[str, int] = WORD_TO_ID) -> list[
     return [word_ids[w] for w in words if w in word_ids and word_ids[w] not in (PAD, BOS, EOS, SEP)][:limit]
 
 
-def composed_ids(prompt: list[int], segments: list[list[int]], max_len: int | None) -> tuple[int, ...]:
+def composed_ids(prompt: list[int], segments: list[list[int]], max_len: int | None,
+                 replace: bool = False) -> tuple[int, ...]:
     """The text the shapes text encoder reads: <bos>, the prompt, then <sep> and each segment (a
     refinement, in refiner order), cut to its first `max_len` tokens (None: whole), as a real text
-    encoder's tokenizer truncates at its maximum length: what does not fit is the last segments' tail."""
+    encoder's tokenizer truncates at its maximum length: what does not fit is the last segments' tail.
+    `replace`: the non-empty segments alone, joined by <sep>, in place of the prompt (where every
+    segment is empty, what append reads: the prompt)."""
+    if replace and (written := [segment for segment in segments if segment]):
+        prompt, segments = written[0], written[1:]
     return (BOS, *prompt, *[t for segment in segments for t in (SEP, *segment)])[:max_len]
 
 
