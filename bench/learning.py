@@ -11,6 +11,8 @@ steps (`evaluation.every`). Methods:
     prompt_only              refiners trained on image + a small format term; generator frozen
     promptrl_shared          joint, every expert on image + a small format term (PromptRL)
     promptrl_counterfactual  joint, refiners on D_k = R - R(without y_k) of that same total
+    promptrl_replace         promptrl_shared with the generator reading the refinements in place of
+                             the prompt (task.compose=replace), as PromptRL's code trains
   the N-way credit-assignment study on text terms (refiners paid for fidelity, style, format)
     shared                   every expert on the total
     per_expert               refiners on the terms they own, the generator on the image term
@@ -59,11 +61,12 @@ METHODS = {
     "prompt_only": [*PROMPTRL_REWARD, "algorithm.credit=shared", "experts.generator.train=false"],
     "promptrl_shared": [*PROMPTRL_REWARD, "algorithm.credit=shared"],
     "promptrl_counterfactual": [*PROMPTRL_REWARD, "algorithm.credit=counterfactual", "experts.generator.owns=[image]"],
+    "promptrl_replace": [*PROMPTRL_REWARD, "algorithm.credit=shared", "task.compose=replace"],
     "shared": ["algorithm.credit=shared"],
     "per_expert": ["algorithm.credit=per_expert", "experts.generator.owns=[image]"],
     "counterfactual": ["algorithm.credit=counterfactual", "experts.generator.owns=[image]"],
 }  # the generator owns the image term where credit is not shared: the other terms are not its doing
-HEADLINE = ("promptrl_shared", "promptrl_counterfactual")
+HEADLINE = ("promptrl_shared", "promptrl_counterfactual", "promptrl_replace")
 TEXT_STUDY = ("counterfactual", "per_expert", "shared")
 TRANSFER = ("prompt_only", "promptrl_shared", "promptrl_counterfactual")  # refiners paid by the image term
 # Every method with refiners keeps them nearer their supervised start than beta_LM=0.01 does

@@ -33,8 +33,10 @@ def caption_details(config) -> list[int]:
 def base_shaping(config) -> dict:
     """Everything that shapes the base generator and text encoder (`text_len`: the encoder's
     max_sequence_length; `details`: caption_details). A square image task leaves out `num_frames` and
-    `image_width`, so that image bases made before videos existed keep their hash."""
-    task = config.task.model_dump(exclude={k for k in ("num_frames", "image_width") if getattr(config.task, k) is None})
+    `image_width`, so that image bases made before videos existed keep their hash; `compose` is what a
+    run feeds the base, not how it was made."""
+    unset = {k for k in ("num_frames", "image_width") if getattr(config.task, k) is None}
+    task = config.task.model_dump(exclude={"compose", *unset})
     return {"format": FORMAT, "vocab": text_vocabulary(config.task.name), "task": task,
             "generator": config.experts.generator.model.model_dump(),
             "text_encoder": config.experts.text_encoder.model_dump(exclude={"init", "max_sequence_length"}),

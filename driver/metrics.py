@@ -40,7 +40,7 @@ def step_row(step: int, config, meta, total: np.ndarray, valid: np.ndarray, refi
     return {"step": step, "n_experts": len(versions), "credit": config.algorithm.credit,
             "rollouts": (step + 1) * config.trainer.prompts_per_step * config.algorithm.group_size,
             **reward_metrics(meta.terms, total, valid, refined & valid, owns),
-            **group_metrics(total, valid, groups, meta.similarity),
+            **group_metrics(total, meta.terms, valid, groups, meta.similarity),
             **fault_metrics(meta.faults, actor_faults, meta.valid, valid),
             **{f"version/{e}": v for e, v in versions.items()}, "version/text_encoder": meta.versions[0]["text_encoder"],
             **update_metrics(stats),
@@ -68,16 +68,22 @@ def reward_metrics(terms: dict[str, np.ndarray], total: np.ndarray, valid: np.nd
     return row
 
 
-def group_metrics(total: np.ndarray, valid: np.ndarray, groups: np.ndarray, similarity: SimilaritySums) -> dict:
+def group_metrics(total: np.ndarray, terms: dict[str, np.ndarray], valid: np.ndarray, groups: np.ndarray,
+                  similarity: SimilaritySums) -> dict:
     """Over the prompt groups with a valid sample: groups/zero_std, the share whose total reward has
     no spread over their valid samples (population std, algorithm/credit.py's, at most ZERO_SPREAD:
     every advantage 0, nothing for the generator to learn from that group) and groups/reward_std,
-    the mean of those stds; groups/similarity, the mean over groups of their samples' mean pairwise
-    similarity (algorithm/similarity.py; every sample generated, valid or not). None without any."""
-    stds = np.array([total[(groups == g) & valid].std() for g in np.unique(groups[valid])])
+    the mean of those stds; groups/zero_std/<term>, the same share for each term alone (a joint run's
+    text terms keep the total spread where its images are all alike: the image term's says so);
+    groups/similarity, the mean over groups of their samples' mean pairwise similarity
+    (algorithm/similarity.py; every sample generated, valid or not). None without any."""
+    members = [(groups == g) & valid for g in np.unique(groups[valid])]
+    stds = np.array([total[m].std() for m in members])
     alike = list(group_similarity(similarity).values())
-    return {"groups/zero_std": float(np.mean(stds <= ZERO_SPREAD)) if len(stds) else None,
-            "groups/reward_std": float(stds.mean()) if len(stds) else None,
+    return {"groups/zero_std": float(np.mean(stds <= ZERO_SPREAD)) if members else None,
+            "groups/reward_std": float(stds.mean()) if members else None,
+            **{f"groups/zero_std/{t}": float(np.mean([v[m].std() <= ZERO_SPREAD for m in members])) if members else None
+               for t, v in terms.items()},
             "groups/similarity": float(np.mean(alike)) if alike else None}
 
 

@@ -82,10 +82,11 @@ def test_a_signal_checkpoints_the_step_under_way_and_the_resumed_run_equals_the_
     done = len(rows(run_dir))
     assert under_way <= done <= under_way + (1 if mode == "inline" else 2) and done < STEPS, (under_way, done)
     assert (run_dir / "checkpoints" / f"step_{done:06d}" / "manifest.json").is_file()
-    resumed = start("train", "--resume", str(run_dir), "--set", "cluster.mode=inline")  # Ray's resume: test_resume
-    out, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err[-2000:]
-    assert_same_training(rows(run_dir), uninterrupted)
+    if target == "pid" or (target, sig) == ("group", signal.SIGTERM):  # one checkpoint writer: 3 resumes suffice
+        resumed = start("train", "--resume", str(run_dir), "--set", "cluster.mode=inline")  # Ray's: test_resume
+        out, err = resumed.communicate(timeout=300)
+        assert resumed.returncode == 0, err[-2000:]
+        assert_same_training(rows(run_dir), uninterrupted)
 
 
 def test_a_second_interrupt_stops_at_once(tmp_path):
@@ -100,7 +101,7 @@ def test_a_second_interrupt_stops_at_once(tmp_path):
     assert proc.returncode == 143 and "stopped at once" in err and "Traceback" not in err, err[-2000:]
 
 
-@pytest.mark.parametrize("delay_s", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("delay_s", [0.0, 0.5])
 def test_a_second_signal_to_the_group_while_the_run_checkpoints_leaves_every_checkpoint_whole(tmp_path, delay_s):
     """Whatever the second signal interrupts (the step, the checkpoint, Ray's end), each checkpoint
     that exists verifies, and one that was cut short is a temporary folder no resume reads."""
