@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import ray
+from ray._private import ray_constants
 
 
 def connect(address: str | None, num_cpus: int | None = None, log_file: Path | None = None,
@@ -41,6 +42,10 @@ def connect(address: str | None, num_cpus: int | None = None, log_file: Path | N
         only_to(logging.getLogger("ray._private"), to_file)
     address = address or os.environ.get("RAY_ADDRESS")
     quiet = {"log_to_driver": to_file is None, "configure_logging": to_file is None}
+    # Ray's C++ failure handler (stack traces on a crash) would take SIGTERM from this process's
+    # handler as Ray starts, and reset it to the default as Ray ends: a signal then would kill the
+    # command mid-stop. Off in this process only (its workers keep theirs).
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     # the Ray processes started now inherit the mask; a signal that comes meanwhile is handled by the
     # caller's handler, put back before the mask is lifted
     with signals_blocked(), handlers_kept():
@@ -110,7 +115,7 @@ def end_private_ray() -> None:
     started = psutil.Process().children(recursive=True)
     kill_all = node.kill_all_processes
     node.kill_all_processes = lambda **how: kill_all(**{**how, "allow_graceful": False})
-    with signals_blocked(), handlers_kept():  # Ray's end resets SIGTERM's handler to the default
+    with signals_blocked(), handlers_kept():  # with its failure handler on, Ray's end resets SIGTERM's
         ray.shutdown()
     for process in started:
         try:
