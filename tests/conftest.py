@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import tempfile
 
 import numpy as np
@@ -41,6 +42,15 @@ def ray_session():
              _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
+
+
+def as_a_terminal_starts_it() -> None:
+    """In the child, before it runs: the stop signals at their defaults and unblocked, as a shell or a
+    scheduler starts a job (a test session run in the background of a script ignores SIGINT, and a
+    child inherits an ignored signal; the command keeps what it was started ignoring)."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
 
 
 def make_config(*overrides: str, preset: str = "shapes"):

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import driver.cli as cli
-from tests.conftest import assert_same_training, make_config, run_training
+from tests.conftest import as_a_terminal_starts_it, assert_same_training, make_config, run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -25,7 +25,8 @@ def start(*args: str) -> subprocess.Popen:
     """`python -m driver ARGS` in its own process (its own Ray, when it runs on Ray), in a process
     group of its own as a scheduler's job is."""
     return subprocess.Popen([sys.executable, "-m", "driver", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=as_a_terminal_starts_it)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -139,7 +140,8 @@ def test_a_checkpoint_cut_short_is_absent_never_torn(tmp_path, how):
               "def slow(*args):\n    write(*args)\n    print('writing', flush=True)\n    time.sleep(60)\n"
               "state_file.write = slow\n"
               f"checkpoint.save({str(tmp_path)!r}, 2, snap(2))\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=as_a_terminal_starts_it)
     assert proc.stdout.readline() == "writing\n"
     proc.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
     proc.wait(timeout=30)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import as_a_terminal_starts_it
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB_STEPS = 2
 
@@ -169,7 +171,8 @@ def test_a_run_attached_to_a_cluster_stops_on_a_signal_to_its_group_and_checkpoi
     env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{head['gcs_port']}", "RAY_AUTH_MODE": "token"}
     proc = subprocess.Popen([sys.executable, "-m", "driver", "train", "--config", "shapes-tiny", "--set",
                              "trainer.steps=500", "--run-dir", str(run_dir)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=as_a_terminal_starts_it)
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
     while not metrics.is_file() or len(metrics.read_text().splitlines()) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
