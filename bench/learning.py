@@ -255,22 +255,32 @@ def run_transfer(work: Path, seed: int, methods: list[str], code: str) -> dict |
 
 # --- what the runs measured --------------------------------------------------------------------- #
 
+DIAGNOSTICS = ("groups/zero_std/image", "groups/reward_std", "groups/similarity")  # image: the text terms
+# give a joint run's groups spread in their total even where their images all score alike
+DIAGNOSTIC_STEPS = 10  # a run's diagnostics "at the end": the mean over its last steps
+
+
 def load(run_dir: Path, method: str) -> dict:
-    """A run's curves: rollouts and strict accuracy at 0 (the base) and at every evaluation, as the
-    method is used (refined where it has refiners) and unrefined; reward/image per step; the lever."""
+    """A run's curves: rollouts and strict accuracy at 0 (the base) and at every evaluation of each
+    evaluation set (held_out, paraphrased, and any other the task has), as the method is used
+    (refined where it has refiners) and unrefined; reward/image per step; the lever; the group
+    diagnostics at the first step and over the last DIAGNOSTIC_STEPS."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lever = json.loads((run_dir / "lever.json").read_text())
     mode = "unrefined" if method == "generator_only" else "refined"
     start = lever["base_refiners" if mode == "refined" else "base_unrefined"]
     evals = [r for r in rows if f"eval/held_out/unrefined/{STRICT}" in r]
+    names = [k.split("/")[1] for k in evals[0] if k.startswith("eval/") and k.endswith(f"/unrefined/{STRICT}")]
     curve = {f"{name}/{m}": np.array([start[name] if m == mode else lever["base_unrefined"][name]]
                                      + [r[f"eval/{name}/{m}/{STRICT}"] for r in evals])
-             for name in ("held_out", "paraphrased") for m in dict.fromkeys((mode, "unrefined"))}
+             for name in names for m in dict.fromkeys((mode, "unrefined"))}
+    diagnostics = {key: (rows[0][key], float(np.mean([r[key] for r in rows[-DIAGNOSTIC_STEPS:]])))
+                   for key in DIAGNOSTICS if key in rows[0]}
     return {"rollouts": np.array([0] + [r["rollouts"] for r in evals]), "curve": curve, "mode": mode,
             "step_rollouts": np.array([r["rollouts"] for r in rows]),
             "reward": np.array([r["reward/image"] for r in rows]), "lever": lever,
             "extra": sum(r.get("counterfactual/generations", 0) for r in rows),
-            "step_s": float(np.mean([r["time/step_s"] for r in rows]))}
+            "step_s": float(np.mean([r["time/step_s"] for r in rows])), "diagnostics": diagnostics}
 
 
 def used(run: dict, name: str = "held_out") -> np.ndarray:

@@ -108,13 +108,11 @@ def end_private_ray() -> None:
     after this process has left the cluster (the run has saved all it keeps). Killed so, the raylet
     leaves its agents behind: every process this one started is ended too."""
     node = getattr(ray._private.worker, "_global_node", None)
-    if node is None or not node.all_processes:  # not started here
-        with signals_blocked(), handlers_kept():
-            ray.shutdown()
-        return
-    started = psutil.Process().children(recursive=True)
-    kill_all = node.kill_all_processes
-    node.kill_all_processes = lambda **how: kill_all(**{**how, "allow_graceful": False})
+    private = node is not None and bool(node.all_processes)  # started here
+    started = psutil.Process().children(recursive=True) if private else []
+    if private:
+        kill_all = node.kill_all_processes
+        node.kill_all_processes = lambda **how: kill_all(**{**how, "allow_graceful": False})
     with signals_blocked(), handlers_kept():  # with its failure handler on, Ray's end resets SIGTERM's
         ray.shutdown()
     for process in started:

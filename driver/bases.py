@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 
 from driver.overrides import flat
-from tasks import text_vocabulary
-from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
+from tasks import refiner_vocabulary, text_vocabulary
+from tasks.shapes import MAX_PROMPT_WORDS
 
 FORMAT = 3  # bump when what a base holds changes
 
@@ -34,21 +34,24 @@ def base_shaping(config) -> dict:
     """Everything that shapes the base generator and text encoder (`text_len`: the encoder's
     max_sequence_length; `details`: caption_details). A square image task leaves out `num_frames` and
     `image_width`, so that image bases made before videos existed keep their hash; `compose` is what a
-    run feeds the base, not how it was made."""
+    run feeds the base, not how it was made; nor is `rare_wording`'s share of training prompts: a base
+    made for it holds the rare words (`vocab`) and saw them in `rare_caption_share` of its captions."""
     unset = {k for k in ("num_frames", "image_width") if getattr(config.task, k) is None}
-    task = config.task.model_dump(exclude={"compose", *unset})
-    return {"format": FORMAT, "vocab": text_vocabulary(config.task.name), "task": task,
+    task = config.task.model_dump(exclude={"compose", "rare_wording", *unset})
+    rare = {"rare_caption_share": config.pretrain.rare_caption_share} if config.task.rare_wording else {}
+    return {"format": FORMAT, "vocab": text_vocabulary(config.task), "task": task, **rare,
             "generator": config.experts.generator.model.model_dump(),
             "text_encoder": config.experts.text_encoder.model_dump(exclude={"init", "max_sequence_length"}),
             "text_len": config.experts.text_encoder.max_sequence_length,
             "details": caption_details(config),
-            "pretrain": config.pretrain.model_dump(exclude={"out_dir", "threads", "refiner_steps", "refiner_lr"})}
+            "pretrain": config.pretrain.model_dump(exclude={"out_dir", "threads", "refiner_steps", "refiner_lr",
+                                                            "rare_caption_share"})}
 
 
 def refiner_shaping(config, refiner) -> dict:
     """Everything that shapes a refiner's supervised start (not its sampling temperature: the start
     is learnt at temperature 1, as a pretrained LM's weights are, and sampled at any)."""
-    return {"format": FORMAT, "vocab": VOCAB, "model": refiner.model.model_dump(),
+    return {"format": FORMAT, "vocab": refiner_vocabulary(config.task), "model": refiner.model.model_dump(),
             "max_new_tokens": refiner.max_new_tokens,
             "pretrain": config.pretrain.model_dump(include={"refiner_steps", "refiner_lr", "batch_size", "seed",
                                                             "degraded_share", "restate_share"})}

@@ -38,12 +38,13 @@ def parse_args(argv):
     pre = sub.add_parser("pretrain", help="flow-match the base generator and text encoder (cached)")
     e = sub.add_parser("eval", help="every reward term (and GenEval-style strict accuracy) per tag on the task's "
                                     "evaluation sets, with and without refinement")
-    which = e.add_mutually_exclusive_group(required=True)
-    which.add_argument("--run", help="a run directory (its latest checkpoint is evaluated)")
-    which.add_argument("--base", help="a pretrained base folder (evaluated without refinement)")
+    e.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory (its latest checkpoint is evaluated)")
+    e.add_argument("--base", help="a pretrained base folder instead of a run (evaluated without refinement)")
+    e.add_argument("--run", help=argparse.SUPPRESS)  # the form before RUN_DIR, taken for one release
     e.add_argument("--no-refine", action="store_true", help="only unrefined prompts (evaluation.refine=false)")
     s = sub.add_parser("sample", help="refine a prompt with a run's refiners and draw it with its generator")
-    s.add_argument("--run", required=True, help="a run directory (its latest checkpoint is used)")
+    s.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory (its latest checkpoint is used)")
+    s.add_argument("--run", help=argparse.SUPPRESS)  # the form before RUN_DIR, taken for one release
     s.add_argument("--prompt", required=True, help="words of the task's vocabulary, e.g. 'a red circle'")
     s.add_argument("-n", type=int, default=4, help="images to draw (default 4)")
     s.add_argument("--seed", type=int, default=0, help="seeds the refiners' and generator's draws")
@@ -90,10 +91,27 @@ def parse_args(argv):
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set trainer.steps=40 (repeatable)")
     args = p.parse_args(argv)
-    on_a_run = getattr(args, "resume", None) or getattr(args, "run", None) or args.command == "report"
+    if args.command in ("eval", "sample"):
+        run_given_once(p, args)
+    on_a_run = getattr(args, "resume", None) or getattr(args, "run_dir", None) and args.command != "train"
     if not on_a_run:
         args.config = args.config or "shapes"
     return args
+
+
+def run_given_once(parser, args) -> None:
+    """Every command that reads a run takes it as RUN_DIR; `--run RUN_DIR`, the form eval and sample
+    took before, still works for one release, with a one-line note (exit 2 for both, or neither)."""
+    if args.run is not None:
+        if args.run_dir is not None:
+            parser.error(f"{args.command}: give the run once, as RUN_DIR (not also --run)")
+        print(f"jointrl: note: `jointrl {args.command} --run RUN_DIR` is now `jointrl {args.command} RUN_DIR`; "
+              f"--run goes in the next release", file=sys.stderr)
+        args.run_dir = args.run
+    if args.command == "eval" and (args.run_dir is None) == (args.base is None):
+        parser.error("eval: give a RUN_DIR, or --base DIR for a pretrained base (one of them)")
+    if args.command == "sample" and args.run_dir is None:
+        parser.error("sample: give the RUN_DIR to draw from")
 
 
 REWARDS_FAILED = 3  # the exit status of a run stopped because its rewards kept failing
@@ -272,9 +290,9 @@ def evaluate(args) -> int:
     from driver.evaluate import evaluate_base, evaluate_run, table
     overrides = [*args.overrides, *(["evaluation.refine=false"] if args.no_refine else [])]
     with tqdm(desc="jointrl eval", unit="image", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
-        if args.run:
-            where = Path(args.run)
-            report = evaluate_run(where, run_config(where, "--run", overrides, layer=args.config), bar.update)
+        if args.run_dir:
+            where = Path(args.run_dir)
+            report = evaluate_run(where, run_config(where, "RUN_DIR", overrides, layer=args.config), bar.update)
         else:
             where = Path(args.base)
             report = evaluate_base(load_config(args.config, ["experts.base=null", *overrides]), where, bar.update)
@@ -288,8 +306,8 @@ def run_sample(args) -> int:
     from driver.sample import sample_run
     if args.n < 1:
         raise ConfigError(f"-n {args.n}: draw at least one image")
-    run = Path(args.run)
-    drawn = sample_run(run, run_config(run, "--run", args.overrides, layer=args.config), args.prompt, args.n,
+    run = Path(args.run_dir)
+    drawn = sample_run(run, run_config(run, "RUN_DIR", args.overrides, layer=args.config), args.prompt, args.n,
                        args.seed, Path(args.out) if args.out else None)
     print(f"jointrl: {args.prompt!r} from {drawn['checkpoint']}")
     for i, refs in enumerate(drawn["refinements"]):

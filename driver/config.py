@@ -392,6 +392,9 @@ class PretrainConfig(Strict):
     restate_share: float = Field(0.25, ge=0.0, le=1.0, description="share of the refiners' supervised examples "
                                  "that first restate one of the prompt's colours or shapes, as a rewriting LM "
                                  "restates the request before adding detail")
+    rare_caption_share: float = Field(0.01, ge=0.0, le=1.0, description="under task.rare_wording, the share "
+                                      "of the base's captions said in rare synonyms (a long tail); the refiners' "
+                                      "supervised start sees both wordings equally")
     degraded_share: float = Field(0.2, ge=0.0, lt=1.0, description="share of low-quality images in the data, "
                                   "never captioned with quality words (shapes.QUALITY_WORDS)")
     threads: PositiveInt = Field(2, description="torch CPU threads")
@@ -448,6 +451,12 @@ class TaskConfig(Strict):
                               "PromptRL's code feeds its generator the rewrite (a sample no refiner wrote for, "
                               "e.g. one of algorithm.num_skip_refinement, reads the prompt). The reward is always "
                               "scored against the original prompt")
+    rare_wording: float = Field(0.0, ge=0.0, le=1.0, description="shapes: the share of training prompts that say "
+                                "their colours, shapes, counts and relations in rare synonyms (crimson for red, "
+                                "disc for circle, twin for two, west for left), words the base's captions use "
+                                "rarely (pretrain.rare_caption_share) and the refiners' supervised start has seen "
+                                "as often as the usual ones; its held-out set is also evaluated so worded "
+                                "(rare_wording). 0: off, the usual words only")
 
     def eval_sources(self) -> dict[str, str]:
         """Every evaluation set by name (a single source is named `eval`)."""
@@ -457,6 +466,9 @@ class TaskConfig(Strict):
     def _sources(self):
         if self.name == "prompts" and not self.train:
             raise ValueError("task.name=prompts needs task.train (a prompt file or dataset id)")
+        if self.rare_wording and self.name != "shapes":
+            raise ValueError(f"task.rare_wording={self.rare_wording} is a setting of task.name=shapes only "
+                             f"(task.name={self.name} has no rare wording): set task.rare_wording=0")
         return self
 
     @model_validator(mode="after")
@@ -601,7 +613,7 @@ class Config(Strict):
         if c.layout == "colocated" and self.evaluation.every:
             raise ValueError(f"evaluation.every={self.evaluation.every} with cluster.layout=colocated: evaluation "
                              f"during training draws on a rollout worker, which this layout has none of; set "
-                             f"evaluation.every=0 and run `jointrl eval --run RUN_DIR` on its checkpoints")
+                             f"evaluation.every=0 and run `jointrl eval RUN_DIR` on its checkpoints")
         if c.layout == "colocated" and self.experts.generator_low is not None:
             raise ValueError("experts.generator_low with cluster.layout=colocated: a colocated generator rank "
                              "samples with the one transformer it trains, and the low-noise one is another "

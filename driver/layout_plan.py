@@ -22,12 +22,13 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-from driver.config import Config
+from driver.config import Config, ConfigError, validated
 from driver.plan import (PROMPT_TOKENS, PlanError, Target, guided, plan_for, refined_samples, step_samples,
                          task_generator, trained_steps)
 from experts.memory import lm_architecture
 
 LAYOUTS = ("separate", "colocated")
+REFUSED = "the config refuses it: "  # how a layout the config's validation refuses is reported
 
 
 @dataclass(frozen=True)
@@ -202,12 +203,17 @@ def estimate(config: Config, costs: PhaseCosts, target: Target) -> LayoutEstimat
 
 def compare(config: Config, target: Target, costs: PhaseCosts | None = None) -> dict:
     """Both layouts of `config` on the same devices (`as_layout`) on `target`: {"costs",
-    "separate", "colocated", "faster"}; a layout that cannot fit is the PlanError's message."""
+    "separate", "colocated", "faster"}; a layout that cannot fit, or that the config refuses, is why."""
     costs = costs or (measured_costs(config) if is_tiny(config) else flop_costs(config, config.plan.target.gpu_tflops))
     out = {}
     for layout in LAYOUTS:
+        other = as_layout(config, layout)
         try:
-            out[layout] = estimate(as_layout(config, layout), costs, target)
+            validated(other.model_dump())  # a layout this config refuses is never the one recommended
+            out[layout] = estimate(other, costs, target)
+        except ConfigError as e:
+            why = str(e).removeprefix("invalid config: ").removesuffix(" Nothing was started.")
+            out[layout] = f"{REFUSED}{why.replace('config: Value error, ', '')}"
         except PlanError as e:  # the other layout may not fit where the config's own does
             out[layout] = str(e)
     fits = [layout for layout in LAYOUTS if isinstance(out[layout], LayoutEstimate)]
@@ -230,7 +236,7 @@ def compare_report(comparison: dict) -> str:
     for layout in LAYOUTS:
         e = comparison[layout]
         if not isinstance(e, LayoutEstimate):
-            lines.append(f"  {layout:9s}: cannot fit: {e}")
+            lines.append(f"  {layout:9s}: {'' if e.startswith(REFUSED) else 'cannot fit: '}{e}")
             continue
         lines.append(f"  {layout:9s}: {e.shape}; {e.devices} devices, at most {e.peak_bytes / 1e9:.2f} GB on one; "
                      f"rollout {e.rollout_s:.3g} s + update {e.update_s:.3g} s = {e.step_s:.3g} s a step")

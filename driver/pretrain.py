@@ -1,11 +1,13 @@
 """`jointrl pretrain`: the base generator and text encoder, by flow matching on rendered pairs.
 
 RL starts from a model that roughly works, as PromptRL starts from FLUX. Captions mix the full,
-terse and paraphrased wordings of every category; images are the renderer's ground truth (under
-`shapes_video`, clips of task.num_frames frames of its prompts, in full and terse wordings). The
-loss is rectified flow's: x_s = (1 - s) x + s eps, target v = eps - x, s ~ logit-normal. The saved
-weights are an EMA of the trained ones, cached under a hash of everything that shapes them, so a
-second call with the same config reuses the first's result.
+terse and paraphrased wordings of every category (under `task.rare_wording`, a
+`pretrain.rare_caption_share` of them in rare synonyms, and half the refiners' examples); images
+are the renderer's ground truth (under `shapes_video`, clips of task.num_frames frames of its
+prompts, in full and terse wordings). The loss is rectified flow's: x_s = (1 - s) x + s eps,
+target v = eps - x, s ~ logit-normal. The saved weights are an EMA of the trained ones, cached
+under a hash of everything that shapes them, so a second call with the same config reuses the
+first's result.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from experts import state_file
 from experts.frontend import build_text_encoder
 from experts.kinds import build_model
 from tasks.shapes import (CATEGORIES, EOS, PAD, QUALITY_WORDS, STYLE_WORDS, WORD_TO_ID, Prompt, composed_ids,
-                          make_prompt, paraphrase, render)
+                          make_prompt, paraphrase, rare_worded, render)
 from tasks.shapes_video import VIDEO_CATEGORIES, make_video_prompt, render_clip
 
 def detail_words(rng: np.random.Generator, degraded: bool, max_words: int) -> list[str]:
@@ -61,10 +63,15 @@ def details(rng: np.random.Generator, prompt: Prompt, degraded: bool, max_segmen
     return [[WORD_TO_ID[w] for w in words] for words in segments]
 
 
-def random_prompt(rng: np.random.Generator) -> Prompt:
-    """A prompt of a random category and wording (terse or full), paraphrased a third of the time."""
+REFINER_RARE_SHARE = 0.5  # under task.rare_wording a refiner's language knowledge holds both wordings alike
+
+
+def random_prompt(rng: np.random.Generator, rare_share: float = 0.0) -> Prompt:
+    """A prompt of a random category and wording (terse or full), paraphrased a third of the time,
+    then said in rare synonyms a `rare_share` of the time (no draw for it when 0)."""
     p = make_prompt(CATEGORIES[rng.integers(len(CATEGORIES))], rng, terse=bool(rng.integers(2)))
-    return paraphrase(p) if rng.random() < 1 / 3 else p
+    p = paraphrase(p) if rng.random() < 1 / 3 else p
+    return rare_worded(p) if rare_share and rng.random() < rare_share else p
 
 
 def random_video_prompt(rng: np.random.Generator):
@@ -74,14 +81,15 @@ def random_video_prompt(rng: np.random.Generator):
 
 def caption_batch(rng: np.random.Generator, n: int, size: int, degraded_share: float = 0.0,
                   max_segments: int = 0, max_words: int = 0, restate_share: float = 0.0, max_len: int | None = None,
-                  frames: int | None = None):
+                  frames: int | None = None, rare_share: float = 0.0):
     """`n` rendered (caption ids, image in [-1, 1]) pairs over every category and wording; a
     `degraded_share` of the images are degraded, and some captions carry details (`details`); each
     caption is cut at `max_len` tokens as the runs' texts are (tasks.shapes.composed_ids). With
-    `frames`: shapes_video clips of that many frames, as the flow's states (3, F, H, W)."""
+    `frames`: shapes_video clips of that many frames, as the flow's states (3, F, H, W); a `rare_share`
+    of the captions in rare synonyms."""
     ids, images = [], []
     for _ in range(n):
-        p = random_prompt(rng) if frames is None else random_video_prompt(rng)
+        p = random_prompt(rng, rare_share) if frames is None else random_video_prompt(rng)
         degraded = bool(rng.random() < degraded_share)
         images.append(render(p, rng, size, degraded) if frames is None else
                       render_clip(p, rng, frames, size, degraded))
@@ -121,7 +129,8 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
             group["lr"] = pc.lr * 0.5 * (1 + math.cos(math.pi * it / pc.steps))
         batch = caption_batch(rng, pc.batch_size, config.task.image_size, pc.degraded_share, len(segments),
                               max(segments, default=0), pc.restate_share,
-                              config.experts.text_encoder.max_sequence_length, frames=config.task.num_frames)
+                              config.experts.text_encoder.max_sequence_length, frames=config.task.num_frames,
+                              rare_share=pc.rare_caption_share if config.task.rare_wording else 0.0)
         loss = flow_matching_loss(generator, encoder, *batch, gen)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -140,13 +149,14 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
 
 
 def refinement_batch(rng: np.random.Generator, n: int, degraded_share: float, max_new_tokens: int,
-                     restate_share: float = 0.0):
+                     restate_share: float = 0.0, rare_share: float = 0.0):
     """`n` (prompt ids, refinement tokens ending in <eos>) pairs: the detail segments of the
     pretraining captions, so a pretrained refiner writes what the base generator has seen; a
-    `restate_share` of them first restate one of the prompt's colours or shapes."""
+    `restate_share` of them first restate one of the prompt's colours or shapes in its usual word,
+    a `rare_share` of the prompts being in rare synonyms."""
     prompts, tokens = [], []
     for _ in range(n):
-        p = random_prompt(rng)
+        p = random_prompt(rng, rare_share)
         words = segment_words(rng, p, bool(rng.random() < degraded_share), max_new_tokens - 1, restate_share)
         prompts.append(list(p.ids))
         tokens.append([*(WORD_TO_ID[w] for w in words), EOS] + [PAD] * (max_new_tokens - 1 - len(words)))
@@ -169,7 +179,7 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
     bar = tqdm(range(pc.refiner_steps), desc="refiner", unit="it", disable=not progress, mininterval=2.0)
     for _ in bar:
         prompts, tokens = refinement_batch(rng, pc.batch_size, pc.degraded_share, refiner.max_new_tokens,
-                                           pc.restate_share)
+                                           pc.restate_share, REFINER_RARE_SHARE if config.task.rare_wording else 0.0)
         loss = -model.token_logprobs(prompts, tokens).sum() / (tokens != PAD).sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -21,7 +21,7 @@ from tasks.shapes import MAX_PROMPT_WORDS, composed_ids, known_ids
 def build_text_encoder(config, fresh: bool = False) -> TextEncoder:
     """The tiny DiT's frozen text encoder over the task's words: seeded, then at its `init` if
     given, unless `fresh`."""
-    te, words = config.experts.text_encoder, len(text_vocabulary(config.task.name))
+    te, words = config.experts.text_encoder, len(text_vocabulary(config.task))
     return seeded_model(config, "text_encoder", lambda: TextEncoder(words, te.d_model, te.n_layers, te.n_heads,
                                                                     te.max_sequence_length), None if fresh else te.init)
 
@@ -33,7 +33,7 @@ class ShapesFrontEnd:
                                      version=0)
         size, frames = config.task.image_size, config.task.num_frames
         self.latent_shape = (3, size, size) if frames is None else (3, frames, size, size)
-        vocab = text_vocabulary(config.task.name)
+        vocab = text_vocabulary(config.task)
         self.word_ids = {w: i for i, w in enumerate(vocab)}
 
     @property

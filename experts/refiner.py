@@ -120,8 +120,9 @@ class RefinerKind(ExpertKind):
             from experts.hf_refiner import HFRefiner
             return HFRefiner(spec, derive_seed(self.config.trainer.seed, "init", self.expert_id), device)
         from experts.refiner_lm import TinyCausalLM
-        from tasks.shapes import MAX_PROMPT_WORDS, VOCAB
-        return TinyCausalLM(len(VOCAB), m.d_model, m.n_layers, m.n_heads, MAX_PROMPT_WORDS + 2 + spec.max_new_tokens,
+        from tasks import refiner_vocabulary
+        from tasks.shapes import MAX_PROMPT_WORDS
+        return TinyCausalLM(refiner_vocabulary(self.config.task), m.d_model, m.n_layers, m.n_heads, MAX_PROMPT_WORDS + 2 + spec.max_new_tokens,
                             spec.max_new_tokens, spec.temperature)
 
     def build_engine(self, fresh: bool = False) -> torch.nn.Module:

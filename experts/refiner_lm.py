@@ -22,12 +22,15 @@ def left_pad(seqs: list[list[int]]) -> torch.Tensor:
 
 
 class TinyCausalLM(Trunk):
-    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_len: int,
+    """A word-level causal LM over `vocab` (its words in id order; the special tokens first)."""
+
+    def __init__(self, vocab: list[str], d_model: int, n_layers: int, n_heads: int, max_len: int,
                  max_new_tokens: int, temperature: float):
-        super().__init__(vocab_size, d_model, n_layers, n_heads, max_len)
+        super().__init__(len(vocab), d_model, n_layers, n_heads, max_len)
+        self.vocab, self.word_ids = vocab, {w: i for i, w in enumerate(vocab)}
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.head = nn.Linear(d_model, vocab_size)
-        banned = torch.zeros(vocab_size, dtype=torch.bool)
+        self.head = nn.Linear(d_model, len(vocab))
+        banned = torch.zeros(len(vocab), dtype=torch.bool)
         banned[[PAD, BOS, SEP]] = True
         self.register_buffer("banned", banned, persistent=False)
 
@@ -67,11 +70,11 @@ class TinyCausalLM(Trunk):
 
     def prompt_ids(self, prompt) -> list[int]:
         """A prompt record's words as this model reads them (words outside its vocabulary are left out)."""
-        return known_ids(prompt.text.split(), MAX_PROMPT_WORDS)
+        return known_ids(prompt.text.split(), MAX_PROMPT_WORDS, self.word_ids)
 
     def refinement(self, tokens: list[int], mask: list[bool]) -> Refinement:
         """The words of the tokens before the end, and whether the model ended them itself."""
-        return Refinement(" ".join(decode_ids(t for t in tokens if t not in (PAD, EOS))), EOS in tokens)
+        return Refinement(" ".join(decode_ids((t for t in tokens if t not in (PAD, EOS)), self.vocab)), EOS in tokens)
 
     def token_logprobs(self, prompts: list[list[int]], tokens: torch.Tensor, mask=None) -> torch.Tensor:
         """Log-probs (B, M) of the sampled `tokens` given their prompts, with gradients (after the

@@ -27,11 +27,20 @@ def default_terms(task_name: str) -> dict[str, dict]:
                      f"reward.terms={{geneval: {{fn: geneval, weight: 1.0}}}}")
 
 
-def text_vocabulary(task_name: str) -> list[str]:
-    """The words the tiny text encoder reads for a task: the shapes world's, and under
-    `shapes_video` its motion words after them (the shapes words keep their ids)."""
-    if task_name == "shapes_video":
+def text_vocabulary(task) -> list[str]:
+    """The words the tiny text encoder reads for the task config `task`: the shapes
+    world's, then under `shapes_video` its motion words, and with `task.rare_wording` the rare
+    synonyms (after them: the shapes words keep their ids)."""
+    if task.name == "shapes_video":
         from tasks.shapes_video import VIDEO_VOCAB
         return VIDEO_VOCAB
-    from tasks.shapes import VOCAB
-    return VOCAB
+    from tasks.shapes import RARE_VOCAB, VOCAB
+    return RARE_VOCAB if task.rare_wording else VOCAB
+
+
+def refiner_vocabulary(task) -> list[str]:
+    """The words the tiny refiner LM reads and writes for the task config `task`: the shapes world's
+    (under `shapes_video` too: a refinement adds detail, not motion), with the rare synonyms under
+    `task.rare_wording`."""
+    from tasks.shapes import RARE_VOCAB, VOCAB
+    return RARE_VOCAB if task.rare_wording else VOCAB

@@ -33,6 +33,12 @@ GLUE_WORDS = ("a", "an", "and", "of", "the", "with", "to", "on", "picture", "tha
 VOCAB: list[str] = (SPECIAL + list(PALETTE) + list(SHAPES) + [s + "s" for s in SHAPES]
                     + list(COUNT_WORDS) + list(RELATIONS) + list(STYLE_WORDS) + list(GLUE_WORDS))
 WORD_TO_ID = {w: i for i, w in enumerate(VOCAB)}
+RARE_SYNONYMS = {"red": "crimson", "green": "emerald", "blue": "azure", "yellow": "golden", "purple": "violet",
+                 "orange": "amber", "circle": "disc", "square": "tile", "triangle": "wedge", "circles": "discs",
+                 "squares": "tiles", "triangles": "wedges", "two": "twin", "three": "triple", "left": "west",
+                 "right": "east", "above": "atop", "below": "beneath"}
+RARE_VOCAB: list[str] = VOCAB + list(RARE_SYNONYMS.values())  # the usual words keep their ids
+RARE_WORD_TO_ID = {w: i for i, w in enumerate(RARE_VOCAB)}
 MAX_PROMPT_WORDS = 16
 CATEGORIES = ("single_object", "two_objects", "counting", "colors", "position", "color_attr")
 
@@ -53,8 +59,8 @@ def encode_in(words: list[str], word_to_id: dict[str, int], max_words: int, worl
     return [word_to_id[w] for w in words]
 
 
-def decode_ids(ids) -> list[str]:
-    return [VOCAB[i] for i in ids if i not in (PAD, BOS, EOS, SEP)]
+def decode_ids(ids, vocab: list[str] = VOCAB) -> list[str]:
+    return [vocab[i] for i in ids if i not in (PAD, BOS, EOS, SEP)]
 
 
 def known_ids(words, limit: int, word_ids: dict[str, int] = WORD_TO_ID) -> list[int]:
@@ -154,6 +160,15 @@ def paraphrase(prompt: Prompt) -> Prompt:
         link = f"{rel} of" if rel in ("left", "right") else rel
         return Prompt.make(f"{reworded(b)} {link} {reworded(a)}", prompt.category, [b, a], rel)
     return Prompt.make(f"{reworded(b)} and {reworded(a)}", prompt.category, [b, a])
+
+
+def rare_worded(prompt: Prompt) -> Prompt:
+    """The same prompt with every colour, shape, count and relation said in its rare synonym
+    (`RARE_SYNONYMS`: words a base's pretraining captions use rarely, as real captions have a long
+    tail), read in `RARE_VOCAB`; the clauses the detector checks are the prompt's."""
+    words = [RARE_SYNONYMS.get(w, w) for w in prompt.text.split()]
+    return Prompt(" ".join(words), prompt.category, prompt.objects, prompt.relation,
+                  tuple(encode_in(words, RARE_WORD_TO_ID, MAX_PROMPT_WORDS, "shapes (rare wording)")))
 
 
 def clause_key(prompt: Prompt) -> tuple:

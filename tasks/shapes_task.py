@@ -2,12 +2,16 @@
 
 Training prompts are `trainer.n_train_prompts` from the run's seed; the held-out set is fixed by
 `evaluation.seed` and shares no clause set with them; its paraphrased copy has the same clauses in
-other words, so a drop from one to the other measures prompt overfitting.
+other words, so a drop from one to the other measures prompt overfitting. With `task.rare_wording`,
+that share of the training prompts (drawn from the run's seed) says its colours, shapes, counts and
+relations in rare synonyms (tasks.shapes.rare_worded), and the held-out set is also scored so worded.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from common.seeding import derive_seed
-from tasks.shapes import eval_set, paraphrase, prompt_set
+from tasks.shapes import eval_set, paraphrase, prompt_set, rare_worded
 from tasks.shapes_video import video_eval_set, video_prompt_set
 
 
@@ -18,13 +22,19 @@ class ShapesTask:
         self.config = config
 
     def train_prompts(self) -> list:
-        t = self.config.trainer
-        return prompt_set(t.n_train_prompts, derive_seed(t.seed, "prompts"))
+        t, share = self.config.trainer, self.config.task.rare_wording
+        prompts = prompt_set(t.n_train_prompts, derive_seed(t.seed, "prompts"))
+        if not share:
+            return prompts
+        rng = np.random.default_rng(derive_seed(t.seed, "rare-wording"))
+        rare = set(rng.choice(len(prompts), size=round(share * len(prompts)), replace=False).tolist())
+        return [rare_worded(p) if i in rare else p for i, p in enumerate(prompts)]
 
     def eval_sets(self) -> dict[str, list]:
         e = self.config.evaluation
         held = eval_set(e.per_category, e.seed, exclude=self.train_prompts())
-        return {"held_out": held, "paraphrased": [paraphrase(p) for p in held]}
+        sets = {"held_out": held, "paraphrased": [paraphrase(p) for p in held]}
+        return {**sets, "rare_wording": [rare_worded(p) for p in held]} if self.config.task.rare_wording else sets
 
     def check(self) -> None:
         """Nothing to check: the held-out set is built to share no clause set with training."""

@@ -25,6 +25,14 @@ def pytest_configure(config):
     os.environ["JOINTRL_TINY_CACHE"] = tempfile.mkdtemp(prefix="jointrl-tiny-")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`cluster`: a test on the session's local Ray (the fast tier, `make test-fast`, runs neither
+    these nor the modules marked so, whose tests start the command or a cluster of their own)."""
+    for item in items:
+        if "ray_session" in item.fixturenames:
+            item.add_marker(pytest.mark.cluster)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module's tests: tiny models on cores shared with Ray's processes

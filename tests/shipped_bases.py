@@ -14,13 +14,13 @@ from experts.frontend import build_text_encoder
 from experts.kinds import build_model
 
 
-def check_shipped_base(preset: str, shipped: Path, max_mib: float) -> tuple[Path, Path]:
-    """Assert the base in `shipped` is the one `preset` starts from; (its base folder, its refiner
-    folder), for the caller's own checks of its eval.json."""
+def check_shipped_base(preset: str, shipped: Path, max_mib: float, overrides: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """Assert the base in `shipped` is the one `preset` (with `overrides`) starts from; (its base
+    folder, its refiner folder), for the caller's own checks of its eval.json."""
     folders = sorted(p for p in shipped.iterdir() if p.is_dir())
     assert [p.name.split("-")[0] for p in folders] == ["base", "refiner"]
     assert sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file()) < max_mib * 2 ** 20
-    config = load_config(preset)
+    config = load_config(preset, list(overrides))
     made_for = {"base": base_shaping(config), "refiner": refiner_shaping(config, config.experts.refiners[0])}
     for folder in folders:
         manifest = json.loads((folder / "manifest.json").read_text())

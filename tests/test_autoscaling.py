@@ -17,6 +17,8 @@ import pytest
 
 from tests.test_job_submit import free_port, start_head, stop_head
 
+pytestmark = pytest.mark.cluster  # its tests start the command in a process of its own, or a Ray cluster
+
 WORKER_CPUS, MAX_WORKERS = 2, 3
 SMALL = ["trainer.steps=2", "trainer.prompts_per_step=2", "algorithm.group_size=4", "algorithm.num_skip_refinement=1",
          "experts.generator.sample_steps=4"]

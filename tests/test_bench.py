@@ -142,3 +142,53 @@ def test_rewards_bench_quick_writes_both_ratios(tmp_path):
     assert re.search(rf"^\| sleep 0\.5 s \+ sleep 0\.3 s \|.*{ratio} ≤ 1\.2 \|", report, re.M)
     assert re.search(rf"^\| geneval \+ pickscore .*{ratio}", report, re.M)
     assert report.count("Bar (") == 2 and not re.search(r"\bnan\b", report)
+
+
+def _run(curve: list[float], rare: list[float], mode: str, zero_std: tuple[float, float]) -> dict:
+    """A run as bench/learning.py's `load` reads it: evaluations every 640 rollouts."""
+    import numpy as np
+    sets = {"held_out": curve, "paraphrased": curve, "rare_wording": rare}
+    curves = {f"{name}/{m}": np.array(values) for name, values in sets.items() for m in {mode, "unrefined"}}
+    lever = {"base_unrefined": {name: values[0] for name, values in sets.items()}}
+    if mode == "refined":
+        lever |= {"base_refiners": lever["base_unrefined"], "trained_refiners": {n: v[0] + 0.05 for n, v in sets.items()}}
+    return {"rollouts": np.arange(len(curve)) * 640, "curve": curves, "mode": mode,
+            "step_rollouts": np.arange(1, 11) * 64, "reward": np.full(10, 0.9), "lever": lever, "extra": 0,
+            "step_s": 1.0, "diagnostics": {"groups/zero_std/image": zero_std, "groups/reward_std": (0.1, 0.05),
+                                           "groups/similarity": (0.9, 0.95)}}
+
+
+def test_the_settings_bench_says_where_joint_rl_wins_by_the_bar_and_why(tmp_path):
+    """bench/settings.py's figures and verdicts on runs whose curves are known: a joint method that
+    reaches generator-only's final accuracy in a third of its rollouts and loses less to the rare
+    wording wins; one that never reaches it does not; the report's table has a row per cell."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import settings
+    gen = [0.5, 0.6, 0.7, 0.8, 0.8, 0.8]  # final 0.8, reached (two evaluations averaging it) at 2560
+    fast = [0.5, 0.8, 0.85, 0.85, 0.85, 0.85]  # the first two evaluations averaging >= 0.8 end at 1280
+    slow = [0.5, 0.55, 0.6, 0.6, 0.6, 0.6]
+    runs = {"generator_only": {s: _run(gen, [v - 0.2 for v in gen], "unrefined", (0.6, 0.4)) for s in (0, 1)},
+            "promptrl_replace": {s: _run(fast, [v - 0.05 for v in fast], "refined", (0.1, 0.2)) for s in (0, 1)},
+            "promptrl_counterfactual": {s: _run(slow, slow, "refined", (0.1, 0.2)) for s in (0, 1)}}
+    stats, _ = settings.cell_stats(runs)
+    assert list(stats["promptrl_replace"]["ratio"]) == [0.5, 0.5]  # 1280 of generator-only's 2560
+    assert stats["promptrl_counterfactual"]["missed"] == 2
+    assert stats["generator_only"]["rare_drop"] == pytest.approx([0.2, 0.2])
+    assert stats["promptrl_replace"]["diagnostics"]["groups/zero_std/image"] == (0.1, 0.2)
+    text = settings.verdict("rare_wording", stats)
+    assert "promptrl_replace, needs 0.50x ± 0.00" in text and "generator-only drops 0.200" in text
+    assert "**wins**" in text
+    stats["promptrl_replace"]["rare_drop"] = [0.3, 0.3]  # reaches the target, but loses more to rare words
+    assert "does not win" in settings.verdict("rare_wording", stats)
+    lost = {m: dict(r) for m, r in runs.items() if m != "promptrl_replace"}
+    assert "does not win" in settings.verdict("control", settings.cell_stats(lost)[0])
+    cells = {"control": settings.cell_stats(lost), "rare_wording": settings.cell_stats(runs)}
+    meta = {"quick": False, "flags": "", "date": "2026-12-06", "reused": 0, "minutes": 1.0, "runs": 5, "seeds": 2,
+            "steps": 10, "per_step": 64, "per_category": 100, "every": 10, "bench": ["trainer.steps=10"]}
+    settings.write_report(tmp_path / "settings.md", cells, meta)
+    report = (tmp_path / "settings.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| control |") or line.startswith("| rare_wording |")]
+    assert len(rows) == 5 and "| rare_wording | generator_only | 1.00 ± 0.00 | 0.800 ± 0.000 | 0.600 ± 0.000 |" in report
+    assert "0.60 → 0.40" in report and "nan" not in report
+    settings.plot(tmp_path / "settings.png", cells, {"control": lost, "rare_wording": runs})
+    assert png_size(tmp_path / "settings.png")[0] >= 800

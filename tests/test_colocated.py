@@ -222,3 +222,19 @@ def test_the_plan_estimates_each_layouts_step_from_its_phases_and_names_the_fast
     assert layouts["costs"]["source"].startswith("measured") and layouts["faster"] in ("separate", "colocated")
     assert all(v > 0 for v in [layouts["costs"]["generate"], *layouts["costs"]["update"].values()])
     assert layouts["colocated"]["devices"] == layouts["separate"]["devices"]
+
+
+def test_a_layout_the_config_refuses_is_never_recommended_and_the_comparison_says_why():
+    """Colocated would be faster (given costs) but the config refuses it (evaluation during training
+    draws on a rollout worker, which colocated has none of): the plan recommends separate and
+    gives the refusal, with the key to change."""
+    from driver.layout_plan import PhaseCosts, compare, compare_report
+    from driver.plan import Target
+    here = Target(1, 0, 0.0, 0.0, "this machine")
+    costs = PhaseCosts({"refiner_0": 1.0}, 2.0, {"generator": 3.0, "refiner_0": 1.0}, "given")
+    sets = ["experts.n_refiners=1", "experts.generator.parallel.ranks=2"]
+    assert compare(resolve_config("shapes-tiny", sets), here, costs)["faster"] == "colocated"
+    out = compare(resolve_config("shapes-tiny", [*sets, "evaluation.every=2"]), here, costs)
+    assert out["faster"] == "separate"
+    assert out["colocated"].startswith("the config refuses it: evaluation.every=2 with cluster.layout=colocated")
+    assert "  colocated: the config refuses it: evaluation.every=2" in compare_report(out)

@@ -70,10 +70,10 @@ def test_existing_run_is_not_overwritten(no_training, tmp_path, capsys):
 
 
 def test_eval_of_a_missing_or_empty_run_exits_2(tmp_path, capsys):
-    assert cli.main(["eval", "--run", str(tmp_path / "nope")]) == 2
+    assert cli.main(["eval", str(tmp_path / "nope")]) == 2
     assert "not a run directory" in capsys.readouterr().err
     (tmp_path / "config.yaml").write_text("trainer: {steps: 1}\n")
-    assert cli.main(["eval", "--run", str(tmp_path)]) == 2
+    assert cli.main(["eval", str(tmp_path)]) == 2
     assert "no checkpoints" in capsys.readouterr().err
 
 
@@ -225,3 +225,24 @@ def test_owns_names_no_term_under_shared_credit_without_refusal():
         resolve_config("prompts-tiny", [ocr, "algorithm.credit=per_expert"])
     kept = resolve_config("prompts-tiny", ["algorithm.credit=shared", "experts.refiner_1.owns=[faithful, nothing]"])
     assert kept.experts.refiners[1].owns == ["faithful"]
+
+
+def test_every_command_that_reads_a_run_takes_it_as_run_dir_and_the_older_run_flag_with_a_note(tmp_path, capsys):
+    """eval, sample and report read a run as RUN_DIR; `--run RUN_DIR` (eval's and sample's earlier
+    form) still works for one release, with a one-line note; both, or neither, is exit 2."""
+    nope = str(tmp_path / "nope")
+    assert cli.main(["report", nope]) == 2 and "no metrics there" in capsys.readouterr().err
+    for command, *rest in (["eval"], ["sample", "--prompt", "a red circle"]):
+        assert cli.main([command, nope, *rest]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"jointrl: RUN_DIR '{nope}' is not a run directory (no "
+                                                        f"config.yaml there)"]
+        assert cli.main([command, "--run", nope, *rest]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"jointrl: note: `jointrl {command} --run RUN_DIR` is now `jointrl {command} RUN_DIR`; --run goes in "
+            f"the next release", f"jointrl: RUN_DIR '{nope}' is not a run directory (no config.yaml there)"]
+        for wrong in ([command, nope, "--run", nope], [command]):
+            with pytest.raises(SystemExit) as ended:
+                cli.main([*wrong, *rest])
+            assert ended.value.code == 2 and "RUN_DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["eval", nope, "--base", nope])

@@ -1,4 +1,4 @@
-"""The diagnostics every run logs (README "Metrics"): groups/zero_std and groups/reward_std of the
+"""The diagnostics every run logs (docs/reference.md, "Metrics"): groups/zero_std and groups/reward_std of the
 total reward per prompt group, groups/similarity of a group's samples and grad_norm/<id> before
 clipping, on hand-made inputs whose answer is known, through a rollout split between workers,
 and in the rows of short inline runs."""

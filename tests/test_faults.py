@@ -43,8 +43,15 @@ def test_a_step_without_valid_samples_skips_every_update(tmp_path):
 
 
 def test_counterfactual_with_a_nan_reward(tmp_path):
+    """Counterfactual credit draws each refined sample again without one refinement, and a counting
+    prompt's draws score NaN too: its samples are dropped with them, and every expert still trains,
+    every step, on the other groups' advantages and D_k, to finite losses."""
     rows = faulty_run(tmp_path, "nan_on_counting", "algorithm.credit=counterfactual")
-    assert sum(r["faults/reward_nan"] for r in rows) > 0
+    assert sum(r["faults/reward_nan"] for r in rows) > 0 and sum(r["faults/dropped_samples"] for r in rows) > 0
+    assert all(r["counterfactual/generations"] > 0 and r["faults/skipped_update"] == 0 for r in rows)
+    assert all(rows[-1][f"version/{e}"] == 4 for e in ("generator", "refiner_0", "refiner_1", "refiner_2"))
+    losses = [v for r in rows for k, v in r.items() if k.startswith("loss/")]
+    assert len(losses) >= 4 * 4 and np.isfinite(losses).all()
 
 
 @pytest.mark.parametrize("fn, says", [("no.such.module:fn", "cannot import"),

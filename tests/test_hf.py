@@ -202,7 +202,7 @@ def test_report_sample_and_tensorboard_of_the_hf_run(hf_run, capsys):
     for png in ("rewards", "experts", "versions", "timing", "losses", "samples"):
         looks_like_a_picture(run_dir / "report" / f"{png}.png")
     out = run_dir / "sampled.png"
-    assert cli.main(["sample", "--run", str(run_dir), "--prompt", "A vivid red circle, photo", "-n", "2",
+    assert cli.main(["sample", str(run_dir), "--prompt", "A vivid red circle, photo", "-n", "2",
                      "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "refiner_0:" in printed and out.is_file()

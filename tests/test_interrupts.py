@@ -17,6 +17,8 @@ import pytest
 import driver.cli as cli
 from tests.conftest import as_a_terminal_starts_it, assert_same_training, make_config, run_training
 
+pytestmark = pytest.mark.cluster  # its tests start the command in a process of its own, or a Ray cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
 
@@ -265,9 +267,9 @@ def test_resume_refuses_what_would_change_the_weights_and_saves_nothing(finished
 
 
 def test_eval_applies_set_on_the_run_and_refuses_unknown_keys(finished, capsys):
-    assert cli.main(["eval", "--run", str(finished), "--set", "totally.bogus=1"]) == 2
+    assert cli.main(["eval", str(finished), "--set", "totally.bogus=1"]) == 2
     assert "totally" in capsys.readouterr().err
-    assert cli.main(["eval", "--run", str(finished), "--set", "evaluation.refine=false",
+    assert cli.main(["eval", str(finished), "--set", "evaluation.refine=false",
                      "--set", "evaluation.per_category=1"]) == 0
     report = json.loads((finished / "eval.json").read_text())["sets"]
     assert all(set(s) == {"unrefined"} for s in report.values())
@@ -304,7 +306,7 @@ def test_a_run_dir_that_is_a_file_and_an_out_that_is_a_folder_are_refused(finish
     a_file.write_text("")
     assert cli.main(["train", "--config", "shapes-tiny", "--run-dir", str(a_file)]) == 2
     assert str(a_file) in capsys.readouterr().err
-    assert cli.main(["sample", "--run", str(finished), "--prompt", "a red circle", "--out", str(tmp_path)]) == 2
+    assert cli.main(["sample", str(finished), "--prompt", "a red circle", "--out", str(tmp_path)]) == 2
     assert f"--out '{tmp_path}' is a folder" in capsys.readouterr().err
 
 
@@ -355,8 +357,8 @@ def test_sample_draws_many_images_in_parts_the_same_as_at_once_and_refuses_too_m
     parts = [pipeline.draw(prompts[i:i + 4], refine=True, tag="t", first=i) for i in (0, 4)]
     np.testing.assert_allclose(np.concatenate([p["images"] for p in parts]), whole["images"], atol=1e-5)
     assert [r for p in parts for r in p["refinements"]] == whole["refinements"]
-    assert cli.main(["sample", "--run", str(finished), "--prompt", "a red circle", "-n", "70",
+    assert cli.main(["sample", str(finished), "--prompt", "a red circle", "-n", "70",
                      "--out", str(tmp_path / "many.png")]) == 0
     assert (tmp_path / "many.png").is_file()
-    assert cli.main(["sample", "--run", str(finished), "--prompt", "a red circle", "-n", str(10 ** 9)]) == 2
+    assert cli.main(["sample", str(finished), "--prompt", "a red circle", "-n", str(10 ** 9)]) == 2
     assert "-n 1000000000" in capsys.readouterr().err

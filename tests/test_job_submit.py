@@ -16,6 +16,8 @@ import pytest
 
 from tests.conftest import as_a_terminal_starts_it
 
+pytestmark = pytest.mark.cluster  # its tests start the command in a process of its own, or a Ray cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB_STEPS = 2
 

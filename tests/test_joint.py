@@ -137,7 +137,7 @@ def test_cli_trains_on_ray_and_writes_the_contract(tmp_path, capsys):
     assert manifest["versions"] == {e: 2 for e in ids}
     weights, optimizer, info = state_file.read(ckpt, "generator")
     assert (info.version, info.last_step) == (2, 1) and weights and optimizer["state"]
-    assert cli.main(["eval", "--run", str(run_dir)]) == 0
+    assert cli.main(["eval", str(run_dir)]) == 0
     report = json.loads((run_dir / "eval.json").read_text())["sets"]
     for name in ("held_out", "paraphrased"):
         assert set(report[name]) == {"refined", "unrefined"}

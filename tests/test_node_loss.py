@@ -9,6 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.cluster  # its tests start the command in a process of its own, or a Ray cluster
+
 STEPS = 6
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                       "health_check_failure_threshold": 3, "health_check_timeout_ms": 500}

@@ -114,11 +114,20 @@ def test_json_holds_per_actor_gpus_params_and_bytes(capsys):
 
 
 def test_a_cpu_runs_memory_is_the_plans_host_figure():
+    """A CPU run is refused exactly where the memory plan's host figure exceeds the memory there,
+    and the refusal gives that figure and the plan's largest actor."""
+    from driver.plan import host_plan
     from driver.preflight import memory_problem
     config = resolve_config("shapes-tiny", ["algorithm.group_size=64"])
-    assert memory_problem(config, have=2 ** 40) is None
-    problem = memory_problem(config, have=2 ** 20, where="here")
-    assert "by the memory plan" in problem and "here has 0.0 GiB" in problem
+    plan = host_plan(config)
+    assert memory_problem(config, have=plan.host_bytes) is None
+    problem = memory_problem(config, have=plan.host_bytes - 1, where="here")
+    largest = max(plan.actors.values(), key=lambda a: a.total)
+    assert f"one step needs {plan.host_bytes / 2**30:.1f} GiB by the memory plan" in problem
+    assert f"the largest actor {largest.name}, {largest.total / 2**30:.1f} GiB" in problem
+    assert f"here has {(plan.host_bytes - 1) / 2**30:.1f} GiB" in problem
+    bigger = host_plan(resolve_config("shapes-tiny", ["algorithm.group_size=128"])).host_bytes
+    assert bigger > plan.host_bytes and memory_problem(config, have=bigger) is None  # the batch is in the figure
 
 
 def test_place_on_a_cpu_ray_declaring_gpus_gives_each_actor_the_plans_gpu(tmp_path):

@@ -63,7 +63,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(inline_run, tmp_path):
 
 def test_eval_writes_geneval_per_tag_table_and_the_images(inline_run, capsys):
     run_dir, _ = inline_run
-    assert cli.main(["eval", "--run", str(run_dir), "--set", "evaluation.max_prompts=null"]) == 0
+    assert cli.main(["eval", str(run_dir), "--set", "evaluation.max_prompts=null"]) == 0
     out = capsys.readouterr().out
     assert "geneval/strict per tag" in out and "counting" in out
     report = json.loads((run_dir / "eval.json").read_text())["sets"]["geneval"]
@@ -75,7 +75,7 @@ def test_eval_writes_geneval_per_tag_table_and_the_images(inline_run, capsys):
     assert report["unrefined"]["format"]["overall"] == 0.0  # nothing refined, nothing formatted
     looks_like_a_picture(run_dir / "eval_samples.png", min_size=(100, 100))
     looks_like_a_picture(run_dir / "eval_sheet.png")
-    assert cli.main(["eval", "--run", str(run_dir), "--no-refine"]) == 0
+    assert cli.main(["eval", str(run_dir), "--no-refine"]) == 0
     assert set(json.loads((run_dir / "eval.json").read_text())["sets"]["geneval"]) == {"unrefined"}
 
 
@@ -89,7 +89,7 @@ def test_a_flow_grpo_ocr_prompt_file_trains_and_evaluates_as_it_is(tmp_path):
                  'reward.terms={ocr: {fn: ocr, threads: 1}, faithful: {fn: faithful, weight: 0.5}}',  # PP-OCRv4
                  "experts.refiner_0.owns=[faithful]", "experts.refiner_1.owns=[faithful]")
     assert all(r["reward/ocr"] is not None for r in rows)
-    assert cli.main(["eval", "--run", str(run_dir)]) == 0
+    assert cli.main(["eval", str(run_dir)]) == 0
     report = json.loads((run_dir / "eval.json").read_text())["sets"]["eval"]["refined"]
     assert set(report) == {"ocr", "faithful"} and set(report["ocr"]) == {"overall"}  # no tags in a .txt file
 

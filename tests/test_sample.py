@@ -30,7 +30,7 @@ def trained(tmp_path_factory):
 
 
 def test_sample_writes_the_images_and_prints_each_refinement(trained, capsys):
-    assert cli.main(["sample", "--run", str(trained), "--prompt", "A red circle", "-n", "3"]) == 0
+    assert cli.main(["sample", str(trained), "--prompt", "A red circle", "-n", "3"]) == 0
     out = capsys.readouterr().out
     png = trained / "samples" / "a-red-circle-seed0.png"
     assert f"images: {png}" in out
@@ -43,7 +43,7 @@ def test_sample_writes_the_images_and_prints_each_refinement(trained, capsys):
 def test_the_same_seed_draws_the_same_images(trained, tmp_path):
     pngs = [tmp_path / f"{k}.png" for k in "abc"]
     for png, seed in zip(pngs, (0, 0, 1)):
-        assert cli.main(["sample", "--run", str(trained), "--prompt", "two blue squares", "-n", "2",
+        assert cli.main(["sample", str(trained), "--prompt", "two blue squares", "-n", "2",
                          "--seed", str(seed), "--out", str(png)]) == 0
     a, b, c = (read_png(p) for p in pngs)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
@@ -54,12 +54,12 @@ def test_the_same_seed_draws_the_same_images(trained, tmp_path):
                                            ("a pink unicorn", "['pink', 'unicorn']")])
 def test_a_prompt_the_models_cannot_read_is_named(trained, capsys, prompt, named):
     before = sorted(p.name for p in trained.rglob("*"))
-    assert cli.main(["sample", "--run", str(trained), "--prompt", prompt]) == 2
+    assert cli.main(["sample", str(trained), "--prompt", prompt]) == 2
     err = capsys.readouterr().err
     assert f"--prompt {prompt!r}" in err and named in err and "Nothing was drawn" in err
     assert sorted(p.name for p in trained.rglob("*")) == before
 
 
 def test_sample_from_a_missing_run_is_named(tmp_path, capsys):
-    assert cli.main(["sample", "--run", str(tmp_path / "nowhere"), "--prompt", "a red circle"]) == 2
+    assert cli.main(["sample", str(tmp_path / "nowhere"), "--prompt", "a red circle"]) == 2
     assert "not a run directory" in capsys.readouterr().err

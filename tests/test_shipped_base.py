@@ -108,3 +108,15 @@ def test_any_number_of_refiners_starts_from_the_shipped_base(n, tmp_path):
     assert [r["step"] for r in rows] == [0, 1]
     assert sorted(info["experts"]) == sorted([*(f"refiner_{i}" for i in range(n)), "generator"])
     assert all(info["experts"][e]["version"] == 2 for e in info["experts"])
+
+
+def test_the_rare_wording_base_is_made_for_its_setting_and_reads_the_rare_words_worse():
+    """configs/bases/shapes-rare/ (`jointrl pretrain --config shapes --set task.rare_wording=0.5`): the
+    base whose captions said a colour, shape, count or relation in its rare synonym 1% of the time.
+    The setting's premise, in its eval.json: the same held-out prompts are drawn worse so worded."""
+    shipped = ROOT / "configs" / "bases" / "shapes-rare"
+    base, _ = check_shipped_base("shapes", shipped, max_mib=4,
+                                 overrides=("task.rare_wording=0.5", f"experts.base={shipped}"))
+    sets = json.loads((base / "eval.json").read_text())["sets"]
+    usual, rare = (sets[name]["unrefined"]["image/strict"]["overall"] for name in ("held_out", "rare_wording"))
+    assert rare < usual - 0.1, (usual, rare)

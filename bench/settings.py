@@ -1,0 +1,205 @@
+"""When does joint RL win? PromptRL's mechanisms as settings of the shapes world, each measured
+against generator-only Flow-GRPO from the same base and the same rollout budget.
+
+PromptRL (arXiv 2602.01382) credits its gain over Flow-GRPO (arXiv 2505.05470) to three things:
+groups whose samples look alike (no spread for the group-relative advantage), prompt overfitting,
+and a generator that reads some language poorly while the LM knows it. Each is a setting here:
+
+    control        the default world (the `shapes` preset as it ships)
+    low_diversity  every sample of a prompt starts from the same noise and the sampler's SDE noise
+                   is 0.1 (bench/results/low-diversity.md: image zero_std 0.66 at the first step)
+    rare_wording   half the training prompts say colours, shapes, counts and relations in rare
+                   synonyms that the base saw in 1% of its captions and the refiners' supervised
+                   start in half of theirs; held-out accuracy in both wordings
+    all            low_diversity and rare_wording together
+
+and in each, three methods from bench/learning.py: generator_only (the reference);
+promptrl_replace, PromptRL as its code trains (shared advantage, the generator reading the
+rewrite in place of the prompt, 2 original samples of 8), so `task.compose=replace` is measured
+in every setting; and promptrl_counterfactual, the best joint method of bench/results/learning.md
+(it appends the refinements). Runs, their reuse and their measures are learning.py's: rollouts to
+reach generator-only's final strict held-out accuracy (per seed), final strict accuracy on the
+held-out set (and on it said in rare words where the setting has them), the group diagnostics at
+the first step and over the last ten, and the refiners' lever on the frozen base.
+
+Usage:
+  python bench/settings.py [--quick] [--seeds 5] [--settings control ...] [--jobs 2]
+Writes NAME.md and NAME.png (default `settings`, quick: `settings-quick`) in --out.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from driver.config import load_config  # noqa: E402
+from learning import (BENCH, DIAGNOSTICS, METHODS, REFINERS, code_digest, final, finished, fmt, load,  # noqa: E402
+                      method_sets, run_one, run_path, summarise, used)
+
+LOW_DIVERSITY = ["experts.generator.same_initial_noise=true", "experts.generator.noise_level=0.1"]
+RARE = ["task.rare_wording=0.5", f"experts.base={ROOT / 'configs' / 'bases' / 'shapes-rare'}"]
+SETTINGS = {"control": [], "low_diversity": LOW_DIVERSITY, "rare_wording": RARE, "all": [*LOW_DIVERSITY, *RARE]}
+COMPARED = ("generator_only", "promptrl_replace", "promptrl_counterfactual")
+# The quick run: one seed, a third of the steps, a sixth of the held-out prompts; the same settings
+# and methods, so it shows whether the ordering holds before hours are spent on the full one.
+QUICK = ["evaluation.every=10", "evaluation.per_category=16", "evaluation.batch_size=48",
+         "trainer.prompts_per_step=8", "trainer.steps=50"]
+RARE_SET = "rare_wording"
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="one seed, 50 steps, a small held-out set (under 15 min)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per cell (default 5; quick: 1)")
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="the settings to run")
+    p.add_argument("--jobs", type=int, default=2, help="runs at once (each uses one thread)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the report and plot go")
+    p.add_argument("--name", default=None, help="the report's and plot's file name (default settings[-quick])")
+    p.add_argument("--work", type=Path, default=None, help="where runs go (default runs/bench-settings[-quick])")
+    return p.parse_args()
+
+
+def cell_stats(runs: dict[str, dict[int, dict]]) -> tuple[dict, dict]:
+    """learning.summarise's per-method figures, with the rare-worded held-out accuracy, its drop
+    from the usual wording, and each diagnostic at the start and the end (mean over seeds)."""
+    stats, info = summarise(runs)
+    for method, seeds in runs.items():
+        s = stats[method]
+        has_rare = all(f"{RARE_SET}/{r['mode']}" in r["curve"] for r in seeds.values())
+        s["rare"] = [final(used(r, RARE_SET)) for r in seeds.values()] if has_rare else []
+        s["rare_drop"] = [h - r for h, r in zip(s["held"], s["rare"])]
+        s["diagnostics"] = {key: tuple(float(np.mean([r["diagnostics"][key][i] for r in seeds.values()]))
+                                       for i in (0, 1))
+                            for key in DIAGNOSTICS if all(key in r["diagnostics"] for r in seeds.values())}
+    return stats, info
+
+
+def verdict(setting: str, stats: dict) -> str:
+    """The issue's bar for one setting, in plain words: does a joint method reach generator-only's
+    final strict held-out accuracy with at most half its rollouts (spread over seeds < 0.25), and
+    does generator-only lose more than it from the usual to the rare wording?"""
+    joint = [m for m in stats if m != "generator_only"]
+    best = min(joint, key=lambda m: float(np.mean(stats[m]["ratio"])))
+    s, g = stats[best], stats["generator_only"]
+    ratio, spread = float(np.mean(s["ratio"])), float(np.std(s["ratio"]))
+    wins = not s["missed"] and ratio <= 0.5 and spread < 0.25
+    held = float(np.mean(s["held"])) - float(np.mean(g["held"]))
+    words = [f"**{setting}**: the best joint method, {best}, needs {ratio:.2f}x ± {spread:.2f} of generator-only's "
+             f"rollouts to reach its final strict held-out accuracy"
+             + (f" ({s['missed']} of {len(s['ratio'])} seeds never do)" if s["missed"] else "")
+             + f" and ends {held:+.3f} from it ({fmt(s['held'])} against {fmt(g['held'])})."]
+    if s["rare"] and g["rare"]:
+        gd, jd = float(np.mean(g["rare_drop"])), float(np.mean(s["rare_drop"]))
+        words.append(f"From the usual to the rare wording generator-only drops {gd:.3f} and {best} {jd:.3f}"
+                     f" ({'larger' if gd > jd else 'not larger'} for generator-only).")
+    words.append("Joint RL **wins** here by the bar (<= 0.5x, spread < 0.25)." if wins and (
+        not s["rare"] or float(np.mean(g["rare_drop"])) > float(np.mean(s["rare_drop"])))
+        else "Joint RL does not win here by the bar (<= 0.5x, spread < 0.25).")
+    return " ".join(words)
+
+
+def arrow(pair: tuple[float, float] | None) -> str:
+    return f"{pair[0]:.2f} → {pair[1]:.2f}" if pair else "–"
+
+
+def write_report(path: Path, cells: dict[str, tuple[dict, dict]], meta: dict) -> None:
+    quick = " --quick" if meta["quick"] else ""
+    lines = [f"# When joint RL wins: PromptRL's mechanisms as settings of the shapes world{' (quick run)' if quick else ''}",
+             "", f"Written by `python bench/settings.py{quick}{meta['flags']}` on {meta['date']} in "
+             f"{meta['minutes']:.1f} min ({meta['reused']} of {meta['runs']} runs reused). {meta['seeds']} seed(s) "
+             f"per cell, {meta['steps']} steps of {meta['per_step']} rollouts each; {meta['per_category']} held-out "
+             f"prompts per category, evaluated every {meta['every']} steps. Each setting starts from its own base "
+             "(the rare wording's holds the rare words) and compares with its own generator-only runs.", "",
+             "x generator-only: rollouts to reach generator-only's final strict held-out accuracy on the same seed, "
+             "over generator-only's own (a seed that never does counts as the whole budget: >=). Rare: strict "
+             "accuracy on the same held-out prompts said in rare synonyms; drop: usual minus rare. Diagnostics: "
+             "the first step → the mean of the last ten (image zero_std: share of groups whose image term has no "
+             "spread; reward_std: mean within-group standard deviation of the total; similarity: mean pairwise "
+             "Pearson correlation of a group's 8x8-pooled images). Lever: the frozen base generator's strict held-out accuracy from the trained refiners' prompts minus from the "
+             "base refiners'. Values: mean ± standard deviation over seeds.", "",
+             "| setting | method | x generator-only | final strict held-out | rare | drop to rare | "
+             "image zero_std | reward_std | similarity | lever |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for setting, (stats, _) in cells.items():
+        for method, s in stats.items():
+            d = s["diagnostics"]
+            lines.append(f"| {setting} | {method} | {fmt(s['ratio'], 2, s['missed'])} | {fmt(s['held'])} | "
+                         f"{fmt(s['rare'])} | {fmt(s['rare_drop'])} | {arrow(d.get(DIAGNOSTICS[0]))} | "
+                         f"{arrow(d.get(DIAGNOSTICS[1]))} | {arrow(d.get(DIAGNOSTICS[2]))} | {fmt(s['lever'])} |")
+    lines += ["", "## Verdicts", "", *[f"- {verdict(setting, stats)}" for setting, (stats, _) in cells.items()],
+              "", "## Settings and methods", "",
+              *[f"- {name}: `{' '.join(SETTINGS[name]).replace(f'{ROOT}/', '') or 'the defaults'}`" for name in cells],
+              *[f"- {m}: `{' '.join(METHODS[m])}`" for m in COMPARED],
+              f"- every method with refiners: `{' '.join(REFINERS)}`",
+              f"- the benchmark's settings on every run: `{' '.join(meta['bench'])}`", ""]
+    path.write_text("\n".join(lines))
+
+
+def plot(path: Path, cells: dict[str, tuple[dict, dict]], runs: dict[str, dict]) -> None:
+    """One panel per setting: strict held-out accuracy against rollouts, generator-only and each joint
+    method on the same axes (band: min-max over seeds)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4), dpi=110, squeeze=False)
+    for ax, (setting, (_, info)) in zip(axes[0], cells.items()):
+        for i, (method, seeds) in enumerate(runs[setting].items()):
+            x = next(iter(seeds.values()))["rollouts"]
+            curves = np.stack([used(r) for r in seeds.values()])
+            ax.plot(x, curves.mean(0), label=method, marker=".", color=f"C{i}")
+            ax.fill_between(x, curves.min(0), curves.max(0), color=f"C{i}", alpha=0.1)
+        ax.axhline(info["target"], color="grey", ls="--", lw=1, label="generator-only final")
+        ax.set_title(setting, fontsize=10)
+        ax.set_xlabel("rollouts (training images)")
+    axes[0][0].set_ylabel("strict held-out accuracy (as used)")
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> int:
+    args = parse_args()
+    start = time.perf_counter()
+    seeds = args.seeds or (1 if args.quick else 5)
+    bench = QUICK if args.quick else BENCH
+    work = args.work or ROOT / "runs" / ("bench-settings-quick" if args.quick else "bench-settings")
+    code = {s: code_digest(load_config("shapes", [*bench, *SETTINGS[s]])) for s in args.settings}
+    jobs = [(s, m, seed) for seed in range(seeds) for s in args.settings for m in COMPARED]
+    sets = {(s, m, seed): method_sets([*bench, *SETTINGS[s]], m, seed, []) for s, m, seed in jobs}
+    reused = sum(finished(run_path(work / s, m, seed, []), sets[s, m, seed], code[s]) for s, m, seed in jobs)
+    print(f"bench: {len(jobs)} runs ({reused} reused), {args.jobs} at once", flush=True)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        dirs = list(pool.map(lambda j: run_one(j[1], j[2], [*bench, *SETTINGS[j[0]]], [], work / j[0], code[j[0]]),
+                             jobs))
+    runs: dict[str, dict[str, dict[int, dict]]] = {s: {m: {} for m in COMPARED} for s in args.settings}
+    for (s, m, seed), d in zip(jobs, dirs):
+        runs[s][m][seed] = load(d, m)
+    cells = {s: cell_stats(runs[s]) for s in args.settings}
+    config = load_config("shapes", bench)
+    name = args.name or ("settings-quick" if args.quick else "settings")
+    flags = (f" --seeds {seeds}" if args.seeds else "") + (
+        f" --settings {' '.join(args.settings)}" if args.settings != list(SETTINGS) else "")
+    meta = {"quick": args.quick, "flags": flags, "date": time.strftime("%Y-%m-%d"), "reused": reused,
+            "minutes": (time.perf_counter() - start) / 60, "runs": len(jobs), "seeds": seeds,
+            "steps": config.trainer.steps, "per_step": config.trainer.prompts_per_step * config.algorithm.group_size,
+            "per_category": config.evaluation.per_category, "every": config.evaluation.every, "bench": bench}
+    args.out.mkdir(parents=True, exist_ok=True)
+    report, picture = args.out / f"{name}.md", args.out / f"{name}.png"
+    write_report(report, cells, meta)
+    plot(picture, cells, runs)
+    print(report.read_text())
+    print(f"bench: wrote {report} and {picture}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
