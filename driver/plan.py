@@ -38,9 +38,10 @@ Conventions counted (those the experts implement, stated once here):
   and the reward models scored in the worker; the states of the chunk's trajectories. Phases run
   one after another, so the chunk's working set is the largest of them. A refiner served by vLLM
   (`engine: vllm`) holds its weights in the engine's dtype and the KV cache the engine reserves:
-  `vllm.kv_cache_gib` when set, else what the chunk's prompts need at `vllm.max_model_len` (a share
-  of the device by `gpu_memory_utilization` is the device's, which the plan does not know: set
-  kv_cache_gib for a plan that counts what the engine takes).
+  `vllm.kv_cache_gib` when set; else the engine takes `vllm.gpu_memory_utilization` of its device as
+  it starts (of the host's memory on CPU, this machine's where the plan is made), each engine of a
+  worker its own share, or what the chunk's prompts need at `vllm.max_model_len` if that is more
+  (`reserve_engines`).
 """
 from __future__ import annotations
 
@@ -539,6 +540,26 @@ def check_collective(config: Config, bins: list[list[str]]) -> None:
                             f"cluster.sync=object_store, or give the run GPUs enough for one each. Nothing was started.")
 
 
+def reserve_engines(config: Config, actors: dict[str, ActorPlan], target: Target) -> None:
+    """A vLLM engine without `vllm.kv_cache_gib` takes `vllm.gpu_memory_utilization` of its device
+    when it starts, whatever its model needs (vLLM's `LLM(gpu_memory_utilization=...)`, a share of the
+    device's whole memory per engine): each rollout worker's engine parts are made at least that, of
+    the target's GPU for a worker on a GPU, of this machine's memory for one on CPU."""
+    engines = {e: r for e, r in config.experts.active_refiners().items() if r.engine == "vllm" and not r.vllm.kv_cache_gib}
+    for a in actors.values():
+        if not a.name.startswith("rollout/") or not engines:
+            continue
+        device = target.gpu_memory_gb * GB if a.wants_gpu else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        for eid, r in engines.items():
+            weights, kv = f"weights: {eid} (vLLM engine)", f"KV cache: {eid} (vLLM engine)"
+            reserved = int(r.vllm.gpu_memory_utilization * device)
+            a.bytes[kv] = max(a.bytes[kv], reserved - a.bytes[weights])
+            a.advice.append(f"a lower experts.{eid}.vllm.gpu_memory_utilization, or vllm.kv_cache_gib")
+            a.notes.append(f"{eid}'s engine reserves experts.{eid}.vllm.gpu_memory_utilization="
+                           f"{r.vllm.gpu_memory_utilization:g} of {device / GB:.0f} GB "
+                           f"({'its GPU' if a.wants_gpu else 'host memory'}); set vllm.kv_cache_gib to reserve less")
+
+
 def plan_for(config: Config, target: Target) -> Plan:
     """The memory plan of `config` on `target`; raises PlanError (a ConfigError, exit 2) when it
     cannot fit or names a model whose architecture is unknown."""
@@ -552,6 +573,7 @@ def plan_for(config: Config, target: Target) -> Plan:
                         f"(experts.<id>.resources.num_gpus, cluster.rollout_resources.num_gpus, "
                         f"reward.terms.<name>.resources.num_gpus); set them to 0 for a CPU run or plan for GPUs "
                         f"(--gpus N). Nothing was started.")
+    reserve_engines(config, actors, target)
     bins = place(actors, target) if target.gpus else []
     check_collective(config, bins)
     gpus = []

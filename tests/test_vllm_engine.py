@@ -229,3 +229,30 @@ def test_the_plan_counts_the_engines_weights_and_kv_cache(lms, capsys):
     hf, vllm = plans["hf"], plans["vllm"]
     assert vllm["KV cache: refiner_0 (vLLM engine)"] == int(0.05 * 2 ** 30)
     assert vllm["weights: refiner_0 (vLLM engine)"] * 2 == hf["weights: refiner_0"]  # bf16 in the engine, fp32 in HF
+
+
+@needs_vllm
+def test_an_engine_without_a_kv_cache_size_is_planned_at_its_share_of_the_device(lms):
+    """vLLM takes gpu_memory_utilization of the device per engine as it starts: two refiners on
+    engines at 0.3 of an 80 GB GPU hold 2 x 24 GB of their worker's GPU in the plan, whatever their
+    tiny models need, and the plan says why; at 0.5 each the worker cannot fit, and the refusal
+    names the key; with vllm.kv_cache_gib the engine is what that sets."""
+    from driver.config import resolve_config
+    from driver.plan import PlanError, Target, plan_for
+
+    def worker(*extra: str):
+        config = resolve_config("shapes-tiny", [
+            "experts.n_refiners=2", "experts.refiner_defaults.engine=vllm", "cluster.rollout_resources.num_gpus=1",
+            *[f"experts.refiner_{i}.model={{kind: hf_causal_lm, path: {lms['qwen2']}}}" for i in (0, 1)], *extra])
+        return plan_for(config, Target(1, 1, 80.0, 0.0, "one 80 GB GPU")).actors["rollout/0"]
+    rollout = worker()
+    for eid in ("refiner_0", "refiner_1"):
+        engine = rollout.bytes[f"weights: {eid} (vLLM engine)"] + rollout.bytes[f"KV cache: {eid} (vLLM engine)"]
+        assert engine == int(0.3 * 80e9)
+        assert any(note.startswith(f"{eid}'s engine reserves experts.{eid}.vllm.gpu_memory_utilization=0.3 of 80 GB")
+                   for note in rollout.notes)
+    assert rollout.total > 2 * 0.3 * 80e9 and rollout.gpus == [0]
+    with pytest.raises(PlanError, match=r"rollout/0 needs .*a lower experts\.refiner_0\.vllm\.gpu_memory_utilization"):
+        worker("experts.refiner_defaults.vllm.gpu_memory_utilization=0.5")
+    sized = worker("experts.refiner_defaults.vllm.kv_cache_gib=0.05")
+    assert sized.bytes["KV cache: refiner_0 (vLLM engine)"] == int(0.05 * 2 ** 30)
