@@ -89,7 +89,7 @@ class Advantages(NamedTuple):
     refiners: dict[str, np.ndarray]
 
 
-def advantages(mode: str, terms: dict[str, np.ndarray], weights: dict[str, float], groups: np.ndarray,
+def advantages(*, mode: str, terms: dict[str, np.ndarray], weights: dict[str, float], groups: np.ndarray,
                refined: np.ndarray, owns: dict[str, list[str]], clip: float,
                counterfactual: dict[str, dict[str, np.ndarray]] | None = None, valid: np.ndarray | None = None,
                generator_terms: list[str] | None = None, per_term: bool = False,

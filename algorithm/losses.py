@@ -69,7 +69,7 @@ def sequences(batch: dict, rows: torch.Tensor) -> dict:
             **{k: batch[k][rows.to(batch[k].device)] for k in ("tokens", "logps", "mask")}}
 
 
-def refiner_backward(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: float, kl_beta: float,
+def refiner_backward(policy, reference, batch: dict, adv: torch.Tensor, *, clip_eps: float, kl_beta: float,
                      micro_batch: int | None = None, rows: torch.Tensor | None = None,
                      before_last: Callable[[], None] | None = None):
     """Backpropagate `refiner_loss` of the batch `micro_batch` sequences at a time (None: all at

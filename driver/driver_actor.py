@@ -87,9 +87,10 @@ class DriverActor:
             self.failing.observe(meta.valid, meta.faults)
             lag = lags(meta.versions, self.experts.versions)
             valid = meta.valid & within(lag, cfg.cluster.max_staleness)
-            adv = advantages(cfg.algorithm.credit, meta.terms, cfg.reward.weights, rollout.groups, rollout.refined,
-                             self.owns, cfg.algorithm.adv_clip, meta.counterfactual, valid, cfg.experts.generator.owns,
-                             per_term=cfg.reward.normalize == "per_term",
+            adv = advantages(mode=cfg.algorithm.credit, terms=meta.terms, weights=cfg.reward.weights,
+                             groups=rollout.groups, refined=rollout.refined, owns=self.owns,
+                             clip=cfg.algorithm.adv_clip, counterfactual=meta.counterfactual, valid=valid,
+                             generator_terms=cfg.experts.generator.owns, per_term=cfg.reward.normalize == "per_term",
                              batch_std=cfg.algorithm.adv_std == "batch")
             due = [e for e in self.trained if step % cfg.expert(e).update_every == 0 and valid.any()]
             with marked_timer("update_s", timings):
@@ -99,8 +100,9 @@ class DriverActor:
             total = total_reward(meta.terms, cfg.reward.weights)
             if meta.images is not None:
                 self.log_samples(step, rollout, total, valid)
-        return metrics.step_row(step, cfg, meta, total, valid, rollout.refined, rollout.groups, self.owns, lag,
-                                self.experts.versions, stats, self.faults.as_dict(), sync, timings)
+        return metrics.step_row(step=step, config=cfg, meta=meta, total=total, valid=valid, refined=rollout.refined,
+                                groups=rollout.groups, owns=self.owns, lag=lag, versions=self.experts.versions,
+                                stats=stats, actor_faults=self.faults.as_dict(), sync=sync, timings=timings)
 
     def log_samples(self, step: int, rollout, total: np.ndarray, valid: np.ndarray) -> None:
         """The step's first `logging.images_per_log` samples, with their prompts and rewards."""

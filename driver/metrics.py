@@ -30,8 +30,8 @@ def marked_timer(name: str, timings: dict[str, float]):
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
-def step_row(step: int, config, meta, total: np.ndarray, valid: np.ndarray, refined: np.ndarray, groups: np.ndarray,
-             owns: dict[str, list[str]], lag: dict[str, np.ndarray], versions: dict[str, int],
+def step_row(*, step: int, config, meta, total: np.ndarray, valid: np.ndarray, refined: np.ndarray,
+             groups: np.ndarray, owns: dict[str, list[str]], lag: dict[str, np.ndarray], versions: dict[str, int],
              stats: dict[str, dict], actor_faults: dict[str, int], sync, timings: dict[str, float]) -> dict:
     """The metrics row of a step: `meta` is its rollout's (experts/pipeline.py), `valid` the samples
     learnt from, `groups` each sample's prompt group, `owns` each refiner's terms, `lag` each

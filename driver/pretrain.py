@@ -79,7 +79,7 @@ def random_video_prompt(rng: np.random.Generator):
     return make_video_prompt(VIDEO_CATEGORIES[rng.integers(len(VIDEO_CATEGORIES))], rng, terse=bool(rng.integers(2)))
 
 
-def caption_batch(rng: np.random.Generator, n: int, size: int, degraded_share: float = 0.0,
+def caption_batch(rng: np.random.Generator, n: int, size: int, *, degraded_share: float = 0.0,
                   max_segments: int = 0, max_words: int = 0, restate_share: float = 0.0, max_len: int | None = None,
                   frames: int | None = None, rare_share: float = 0.0):
     """`n` rendered (caption ids, image in [-1, 1]) pairs over every category and wording; a
@@ -127,9 +127,10 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
     for it in bar:
         for group in optimizer.param_groups:
             group["lr"] = pc.lr * 0.5 * (1 + math.cos(math.pi * it / pc.steps))
-        batch = caption_batch(rng, pc.batch_size, config.task.image_size, pc.degraded_share, len(segments),
-                              max(segments, default=0), pc.restate_share,
-                              config.experts.text_encoder.max_sequence_length, frames=config.task.num_frames,
+        batch = caption_batch(rng, pc.batch_size, config.task.image_size, degraded_share=pc.degraded_share,
+                              max_segments=len(segments), max_words=max(segments, default=0),
+                              restate_share=pc.restate_share, max_len=config.experts.text_encoder.max_sequence_length,
+                              frames=config.task.num_frames,
                               rare_share=pc.rare_caption_share if config.task.rare_wording else 0.0)
         loss = flow_matching_loss(generator, encoder, *batch, gen)
         optimizer.zero_grad(set_to_none=True)
@@ -148,7 +149,7 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
     return out, False
 
 
-def refinement_batch(rng: np.random.Generator, n: int, degraded_share: float, max_new_tokens: int,
+def refinement_batch(rng: np.random.Generator, n: int, *, degraded_share: float, max_new_tokens: int,
                      restate_share: float = 0.0, rare_share: float = 0.0):
     """`n` (prompt ids, refinement tokens ending in <eos>) pairs: the detail segments of the
     pretraining captions, so a pretrained refiner writes what the base generator has seen; a
@@ -178,8 +179,9 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
     rng = np.random.default_rng(derive_seed(pc.seed, "pretrain-refiner"))
     bar = tqdm(range(pc.refiner_steps), desc="refiner", unit="it", disable=not progress, mininterval=2.0)
     for _ in bar:
-        prompts, tokens = refinement_batch(rng, pc.batch_size, pc.degraded_share, refiner.max_new_tokens,
-                                           pc.restate_share, REFINER_RARE_SHARE if config.task.rare_wording else 0.0)
+        prompts, tokens = refinement_batch(rng, pc.batch_size, degraded_share=pc.degraded_share,
+                                           max_new_tokens=refiner.max_new_tokens, restate_share=pc.restate_share,
+                                           rare_share=REFINER_RARE_SHARE if config.task.rare_wording else 0.0)
         loss = -model.token_logprobs(prompts, tokens).sum() / (tokens != PAD).sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

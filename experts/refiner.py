@@ -150,4 +150,5 @@ class RefinerKind(ExpertKind):
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None):
         s = self.spec
-        return refiner_backward(model, reference, batch, adv, s.clip_eps, s.kl_beta, s.micro_batch, rows, before_last)
+        return refiner_backward(model, reference, batch, adv, clip_eps=s.clip_eps, kl_beta=s.kl_beta,
+                                micro_batch=s.micro_batch, rows=rows, before_last=before_last)

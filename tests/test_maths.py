@@ -206,7 +206,8 @@ def test_batch_std_divides_every_group_by_the_whole_steps_spread():
     np.testing.assert_allclose(adv[3:6], (r[3:6] - r[3:6].mean()) / (std + 1e-4))
     assert adv[6] == 0.0 and np.abs(adv[3:6]).max() < 0.01
     terms = {"image": r}
-    adv = advantages("shared", terms, {"image": 1.0}, g, np.ones(7, bool), {}, 5.0, valid=include, batch_std=True)
+    adv = advantages(mode="shared", terms=terms, weights={"image": 1.0}, groups=g, refined=np.ones(7, bool), owns={},
+                     clip=5.0, valid=include, batch_std=True)
     np.testing.assert_allclose(adv.generator, group_normalise(r, g, include, 5.0, batch_std=True))
 
 
@@ -214,20 +215,20 @@ def test_credit_modes_route_the_right_terms():
     terms = {"image": np.array([0.0, 1.0, 0.0, 1.0]), "style": np.array([1.0, 0.0, 0.0, 0.0])}
     groups, refined = np.zeros(4, int), np.array([True, True, True, False])
     w = {"image": 1.0, "style": 1.0}
-    per = advantages("per_expert", terms, w, groups, refined, {"refiner_0": ["style"]}, 5.0)
+    common = {"terms": terms, "weights": w, "groups": groups, "refined": refined, "clip": 5.0}
+    per = advantages(mode="per_expert", owns={"refiner_0": ["style"]}, **common)
     assert per.refiners["refiner_0"][0] > 0 and per.refiners["refiner_0"][1] < 0 and per.refiners["refiner_0"][3] == 0
-    shared = advantages("shared", terms, w, groups, refined, {"refiner_0": ["style"]}, 5.0)
+    shared = advantages(mode="shared", owns={"refiner_0": ["style"]}, **common)
     np.testing.assert_allclose(shared.refiners["refiner_0"][:3], shared.generator[:3])
     np.testing.assert_allclose(per.generator, shared.generator)
     owned = {"refiner_0": ["style"]}
     image_only = group_normalise(terms["image"], groups, np.ones(4, bool), 5.0)
     for mode in ("per_expert", "counterfactual"):
         without = {"refiner_0": {t: np.full(4, 0.5) for t in terms}}
-        np.testing.assert_allclose(advantages(mode, terms, w, groups, refined, owned, 5.0, without,
-                                              generator_terms=["image"]).generator,
+        np.testing.assert_allclose(advantages(mode=mode, owns=owned, counterfactual=without, generator_terms=["image"],
+                                              **common).generator,
                                    image_only)   # the style term is not the generator's doing
-    np.testing.assert_allclose(advantages("shared", terms, w, groups, refined, owned, 5.0,
-                                          generator_terms=["image"]).generator,
+    np.testing.assert_allclose(advantages(mode="shared", owns=owned, generator_terms=["image"], **common).generator,
                                shared.generator)  # shared credit is shared, whatever is owned
 
 
@@ -241,7 +242,8 @@ def test_counterfactual_advantage_is_the_normalised_difference_reward():
     terms = {"image": np.array([0.9, 0.5, 0.2, 0.4])}
     without = {"refiner_0": {"image": np.array([0.1, 0.5, 0.2, np.nan])}}  # y_0 helped sample 0 only
     groups, refined = np.zeros(4, int), np.array([True, True, True, False])
-    adv = advantages("counterfactual", terms, {"image": 1.0}, groups, refined, {"refiner_0": []}, 5.0, without)
+    adv = advantages(mode="counterfactual", terms=terms, weights={"image": 1.0}, groups=groups, refined=refined,
+                     owns={"refiner_0": []}, clip=5.0, counterfactual=without)
     d = np.array([0.8, 0.0, 0.0])
     np.testing.assert_allclose(adv.refiners["refiner_0"][:3], (d - d.mean()) / (d.std() + 1e-4))
     assert adv.refiners["refiner_0"][3] == 0.0
@@ -255,21 +257,22 @@ def test_per_term_normalisation_weights_each_term_by_its_group_spread():
              "small": np.array([0.4, 0.1, 0.3, 0.2, 0.1, 0.9, 0.5, 0.3])}
     w = {"big": 1.0, "small": 1.0}
     refined = np.ones(8, bool)
-    adv = advantages("shared", terms, w, groups, refined, {}, 50.0, per_term=True)
+    common = {"terms": terms, "weights": w, "groups": groups, "refined": refined, "clip": 50.0}
+    adv = advantages(mode="shared", owns={}, per_term=True, **common)
     z = {t: np.concatenate([(v[g * 4:g * 4 + 4] - v[g * 4:g * 4 + 4].mean()) / (v[g * 4:g * 4 + 4].std() + 1e-4)
                             for g in (0, 1)]) for t, v in terms.items()}
     total = z["big"] + z["small"]
     expected = np.concatenate([(total[g * 4:g * 4 + 4] - total[g * 4:g * 4 + 4].mean())
                                / (total[g * 4:g * 4 + 4].std() + 1e-4) for g in (0, 1)])
     np.testing.assert_allclose(adv.generator, expected)
-    plain = advantages("shared", terms, w, groups, refined, {}, 50.0)
+    plain = advantages(mode="shared", owns={}, **common)
     assert np.argmax(plain.generator[:4]) == 3 and np.argmax(adv.generator[:4]) != np.argmax(plain.generator[:4]) \
         or not np.allclose(adv.generator, plain.generator)
     np.testing.assert_allclose(adv.generator[4:], z["small"][4:] / (z["small"][4:].std() + 1e-4), atol=1e-6)
     # counterfactual under per_term: D = sum_t w_t (r_t - r_t(without)) / (std_g(r_t) + 1e-4)
     without = {"refiner_0": {"big": terms["big"] - 10.0, "small": terms["small"]}}
-    cf = advantages("counterfactual", terms, w, groups, refined, {"refiner_0": ["small"]}, 50.0, without,
-                    per_term=True)
+    cf = advantages(mode="counterfactual", owns={"refiner_0": ["small"]}, counterfactual=without, per_term=True,
+                    **common)
     d = 10.0 / (np.array([terms["big"][:4].std()] * 4 + [0.0] * 4) + 1e-4)
     expected_cf = np.concatenate([(d[g * 4:g * 4 + 4] - d[g * 4:g * 4 + 4].mean())
                                   / (d[g * 4:g * 4 + 4].std() + 1e-4) for g in (0, 1)])

@@ -83,7 +83,8 @@ def test_pretraining_sees_rare_words_in_its_share_and_the_refiners_in_half_their
     assert 0.05 < rare_share(ids) < 0.15
     usual, _ = caption_batch(np.random.default_rng(0), 400, 32)
     assert rare_share(usual) == 0.0
-    prompts, tokens = refinement_batch(np.random.default_rng(0), 400, 0.2, 6, restate_share=1.0, rare_share=0.5)
+    prompts, tokens = refinement_batch(np.random.default_rng(0), 400, degraded_share=0.2, max_new_tokens=6,
+                                       restate_share=1.0, rare_share=0.5)
     assert 0.4 < rare_share(prompts) < 0.6
     written = {int(t) for row in tokens for t in row}
     assert not written & RARE_IDS  # a refiner restates a request in the usual words, the ones the base reads

@@ -128,8 +128,9 @@ def test_refiner_that_cannot_change_the_image_gets_zero_counterfactual_advantage
     items = _items()
     meta = worker.run(0, items).meta
     groups, refined = np.array([it.group for it in items]), np.array([it.refine for it in items])
-    adv = advantages("counterfactual", meta.terms, cfg.reward.weights, groups, refined,
-                     {"refiner_0": ["image"], "refiner_1": ["image"]}, 5.0, meta.counterfactual)
+    adv = advantages(mode="counterfactual", terms=meta.terms, weights=cfg.reward.weights, groups=groups,
+                     refined=refined, owns={"refiner_0": ["image"], "refiner_1": ["image"]}, clip=5.0,
+                     counterfactual=meta.counterfactual)
     assert np.array_equal(adv.refiners["refiner_0"], np.zeros(len(items)))
     assert np.array_equal(adv.refiners["refiner_1"], np.zeros(len(items)))
 
