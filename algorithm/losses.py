@@ -71,26 +71,37 @@ def sequences(batch: dict, rows: torch.Tensor) -> dict:
 
 def refiner_backward(policy, reference, batch: dict, adv: torch.Tensor, *, clip_eps: float, kl_beta: float,
                      micro_batch: int | None = None, rows: torch.Tensor | None = None,
-                     before_last: Callable[[], None] | None = None):
+                     before_last: Callable[[], None] | None = None, pad_to: int | None = None):
     """Backpropagate `refiner_loss` of the batch `micro_batch` sequences at a time (None: all at
     once), each part divided by the whole batch's valid tokens, so that the parts add up to the
     whole batch's loss and gradient (to float rounding); returns (loss, stats). `rows`: only these
     sequences' part, still divided by the whole batch's count (one rank's share). `before_last`
-    runs before the last part's backward pass (a sharded model that held back its gradient
-    reduction until then turns it on)."""
+    runs before the last backward pass (a sharded model that held back its gradient reduction
+    until then turns it on). `pad_to`: the largest rank's share, whose number of passes this one
+    makes too (`padded`)."""
     rows = torch.arange(len(batch["prompts"])) if rows is None else rows
-    parts = rows.split(micro_batch or max(len(rows), 1))
+    parts = list(rows.split(micro_batch or max(len(rows), 1)))
+    passes = -(-pad_to // micro_batch) if pad_to and micro_batch else len(parts)
     tokens = float(batch["mask"].sum())
     loss, stats = 0.0, {"kl": 0.0, "ratio_mean": 0.0, "logprob_gap": 0.0, "logprob_gap_max": 0.0}
-    for i, part in enumerate(parts):
+    for i, (part, counted) in enumerate(padded(parts, passes)):
         part_loss, part_stats = refiner_loss(policy, reference, sequences(batch, part), adv[part.to(adv.device)],
                                              clip_eps, kl_beta, tokens=tokens)
-        if before_last is not None and i == len(parts) - 1:
+        if before_last is not None and i == passes - 1:
             before_last()
-        part_loss.backward()
-        loss += float(part_loss.detach())
-        stats = {k: max(v, part_stats[k]) if k.endswith("_max") else v + part_stats[k] for k, v in stats.items()}
+        (part_loss if counted else part_loss * 0.0).backward()
+        if counted:
+            loss += float(part_loss.detach())
+            stats = {k: max(v, part_stats[k]) if k.endswith("_max") else v + part_stats[k] for k, v in stats.items()}
     return loss, stats
+
+
+def padded(parts: list, passes: int) -> list[tuple[object, bool]]:
+    """`parts`, then its last part again up to `passes` in all, each with whether it counts. Under
+    FSDP every pass gathers each block's shards and reduces its gradient across the ranks, so a rank
+    whose share is smaller makes the extra passes with zero weight rather than stop early and leave
+    the others waiting in a collective it never joins."""
+    return [(part, True) for part in parts] + [(parts[-1], False)] * (passes - len(parts))
 
 
 def clipped_surrogate(ratio, adv, clip_eps: float):
@@ -168,22 +179,26 @@ def transition_losses(policy, reference, batch: dict, adv: torch.Tensor, rows, c
 
 
 def generator_backward(policy, reference, batch: dict, adv: torch.Tensor, obj: GeneratorObjective,
-                       samples: torch.Tensor | None = None, before_last: Callable[[], None] | None = None):
+                       samples: torch.Tensor | None = None, before_last: Callable[[], None] | None = None,
+                       pad_to: int | None = None):
     """Backpropagate the mean over trained transitions of `transition_losses`, one chunk at a time
     (the gradient is the full batch's, to float rounding); returns (loss, stats). `samples`: only
     these samples' transitions, still divided by the whole batch's count (one rank's share).
-    `before_last` runs before the last chunk's backward pass (a sharded model that held back its
-    gradient reduction until then turns it on)."""
+    `before_last` runs before the last backward pass (a sharded model that held back its gradient
+    reduction until then turns it on). `pad_to`: the largest rank's share, whose number of passes
+    this one makes too (`padded`)."""
     steps = trained_steps(batch["sde"], obj.train_final_step)
     n_samples = batch["states"].shape[0]
     chunks = transition_chunks(torch.arange(n_samples) if samples is None else samples, steps, obj.micro_batch)
+    passes = len(transition_chunks(torch.arange(pad_to), steps, obj.micro_batch)) if pad_to else len(chunks)
     n = len(steps) * n_samples
     loss, kl, ratio = 0.0, 0.0, 0.0
-    for i, (rows, cols) in enumerate(chunks):
+    for i, ((rows, cols), counted) in enumerate(padded(chunks, passes)):
         losses, kls, ratios = transition_losses(policy, reference, batch, adv, rows, cols, obj)
         part = losses.sum() / n
-        if before_last is not None and i == len(chunks) - 1:
+        if before_last is not None and i == passes - 1:
             before_last()
-        part.backward()
-        loss, kl, ratio = loss + float(part.detach()), kl + float(kls.sum()) / n, ratio + float(ratios.sum()) / n
+        (part if counted else part * 0.0).backward()
+        if counted:
+            loss, kl, ratio = loss + float(part.detach()), kl + float(kls.sum()) / n, ratio + float(ratios.sum()) / n
     return loss, {"kl": kl, "ratio_mean": ratio}

@@ -58,9 +58,10 @@ class ExpertKind:
             return self.fresh_model(device)
 
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
-                 before_last: Callable[[], None] | None = None) -> tuple[float, dict]:
+                 before_last: Callable[[], None] | None = None, pad_to: int | None = None) -> tuple[float, dict]:
         """Accumulate the loss's gradient into the trainable parameters; (its value, its stats).
         `rows`: only these samples' part of it, divided by the whole batch's count (one rank's
         share: experts/parallel.py). A kind goes in parts (micro-batches) so that an update fits
-        in memory, calling `before_last` before the last part's backward pass."""
+        in memory, calling `before_last` before the last part's backward pass; `pad_to`: a share
+        smaller than the largest rank's makes as many passes as it (zero-weight ones: fsdp)."""
         raise NotImplementedError

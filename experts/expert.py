@@ -217,14 +217,15 @@ class Expert:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         rows = self.gang.rows(len(adv)) if self.gang else None
+        pad_to = self.gang.largest_share(len(adv)) if self.sharded else None  # the same collectives on every rank
         batch = self.kind.merge(self.model, list(shards), self.device)
         if self.sharded and self.spec.parallel.defer_gradient_sync:
             with parallel.gathered_through_update(self.model, self.reference,
                                                   self.spec.parallel.reshard_after_forward) as before_last:
-                loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows, before_last)
+                loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows, before_last, pad_to)
         else:
             with precision.computed_in(self.model, {} if self.sharded else self.computed):
-                loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows)
+                loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows, pad_to=pad_to)
         if self.gang:
             loss, stats = parallel.sum_stats(loss, stats, self.device)
             if self.gang.strategy == "ddp":

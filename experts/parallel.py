@@ -53,6 +53,10 @@ class Gang:
         """The indices of this rank's share of `n` samples (contiguous; shares differ by at most one)."""
         return torch.tensor_split(torch.arange(n), self.ranks)[self.rank]
 
+    def largest_share(self, n: int) -> int:
+        """The size of the largest rank's share of `n` samples (the first ranks': `rows`)."""
+        return -(-n // self.ranks)
+
     @property
     def leader(self) -> bool:
         return self.rank == 0

@@ -148,7 +148,7 @@ class RefinerKind(ExpertKind):
                          device)
 
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
-                 before_last: Callable[[], None] | None = None):
+                 before_last: Callable[[], None] | None = None, pad_to: int | None = None):
         s = self.spec
         return refiner_backward(model, reference, batch, adv, clip_eps=s.clip_eps, kl_beta=s.kl_beta,
-                                micro_batch=s.micro_batch, rows=rows, before_last=before_last)
+                                micro_batch=s.micro_batch, rows=rows, before_last=before_last, pad_to=pad_to)

@@ -18,6 +18,11 @@ def nan_on_counting(images, prompts, refinements):
     return np.where([p.metadata["tag"] == "counting" for p in prompts], np.nan, shapes_image(images, prompts))
 
 
+def nan_unrefined(images, prompts, refinements):
+    """NaN for every sample drawn from the original prompt (algorithm.num_skip_refinement of each group)."""
+    return np.where([not refs for refs in refinements], np.nan, shapes_image(images, prompts))
+
+
 def raises_on_position(images, prompts, refinements):
     if any(p.metadata["tag"] == "position" for p in prompts):
         raise RuntimeError("reward server said no")

@@ -64,6 +64,22 @@ def test_two_ranks_give_the_one_rank_metrics_and_weights(strategy, runs):
     assert info["snapshots"]["generator"]["version"] == 3
 
 
+def test_three_fsdp_ranks_over_eight_samples_with_dropped_ones_make_the_one_rank_run(ray_session, tmp_path):
+    """8 samples a step on 3 fsdp generator ranks, 2 transitions a pass: shares of 3, 3 and 2 samples,
+    so 12, 12 and 8 passes unpadded, whose collectives would not line up (the run hung until the
+    collective timeout); padded, every rank makes 12 and the run is the one-rank run. The reward
+    fails on each group's unrefined sample: a dropped sample stays in its rank's share (at advantage
+    0), so the shares are the same whatever fails."""
+    sets = ["reward.terms.image.fn=tests.faulty_rewards:nan_unrefined", "experts.generator.micro_batch=2",
+            "trainer.steps=2", "cluster.collective_timeout_s=20"]
+    gang = ["experts.generator.parallel.ranks=3", "experts.generator.parallel.strategy=fsdp"]
+    rows, _, _ = run_training(make_config(*sets, *gang, preset="shapes-tiny"), tmp_path / "three")
+    one, _, _ = run_training(make_config(*sets, "cluster.mode=inline", preset="shapes-tiny"), tmp_path / "one")
+    assert_same_training(rows, one, tol=1e-5)
+    assert [r["version/generator"] for r in rows] == [1, 2]
+    assert [r["faults/dropped_samples"] for r in rows] == [2, 2]  # 2 prompts a step, one unrefined sample each
+
+
 def test_a_rank_killed_mid_run_costs_time_not_correctness(runs):
     """In the fsdp run a rank of each gang was killed (a follower, then a leader): each gang was
     formed again and restored, every update applied once, versions rising; the metrics and weights
@@ -149,6 +165,34 @@ def test_the_ranks_shares_of_loss_and_gradient_add_up_to_the_whole_batchs():
         part_loss, part_kl = part_loss + loss, part_kl + stats["kl"]
     assert abs(part_loss - whole_loss) < 1e-6 and abs(part_kl - whole_stats["kl"]) < 1e-7
     assert torch.allclose(sum(parts), whole, atol=1e-6)
+
+
+def test_a_smaller_share_makes_as_many_passes_as_the_largest_and_they_add_nothing():
+    """Under fsdp every backward pass is a collective, so each rank makes the largest share's number
+    of passes: 6 samples on 4 ranks (shares 2, 2, 1, 1) one at a time is 2 passes on every rank, the
+    small shares' second with zero weight: their loss, stats and gradient are the unpadded ones."""
+    import torch
+    from experts.expert import Expert
+    from experts.parallel import Gang
+    expert = Expert(make_config("experts.refiner_0.kl_beta=0.05", "experts.refiner_0.micro_batch=1",
+                                preset="shapes-tiny"), "refiner_0")
+    batch, adv = refiner_batch(expert.model)
+    passes = []
+    hook = expert.model.head.register_forward_hook(lambda *_: passes.append(1))  # the policy's, once a pass
+    for rank in range(4):
+        gang = Gang(rank, 4, "fsdp", 1)
+        rows, pad_to = gang.rows(6), gang.largest_share(6)
+        assert (len(rows), pad_to) == ((2, 2) if rank < 2 else (1, 2))
+        runs = []
+        for padding in (None, pad_to):
+            expert.optimizer.zero_grad(set_to_none=True)
+            passes.clear()
+            loss, stats = expert.kind.backward(expert.model, expert.reference, batch, adv, rows, pad_to=padding)
+            runs.append((loss, stats, gradient(expert), len(passes)))
+        (loss, stats, grad, n), (padded_loss, padded_stats, padded_grad, padded_n) = runs
+        assert padded_n == 2 and n == len(rows)
+        assert padded_loss == loss and padded_stats == stats and torch.equal(padded_grad, grad)
+    hook.remove()
 
 
 def test_activation_checkpointing_gives_the_same_gradient():
