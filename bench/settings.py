@@ -48,16 +48,16 @@ LOW_DIVERSITY = ["experts.generator.same_initial_noise=true", "experts.generator
 RARE = ["task.rare_wording=0.5", f"experts.base={ROOT / 'configs' / 'bases' / 'shapes-rare'}"]
 SETTINGS = {"control": [], "low_diversity": LOW_DIVERSITY, "rare_wording": RARE, "all": [*LOW_DIVERSITY, *RARE]}
 COMPARED = ("generator_only", "promptrl_replace", "promptrl_counterfactual")
-# The quick run: one seed, a third of the steps, a sixth of the held-out prompts; the same settings
+# The quick run: one seed, a fifth of the steps, a sixth of the held-out prompts; the same settings
 # and methods, so it shows whether the ordering holds before hours are spent on the full one.
 QUICK = ["evaluation.every=10", "evaluation.per_category=16", "evaluation.batch_size=48",
-         "trainer.prompts_per_step=8", "trainer.steps=50"]
+         "trainer.prompts_per_step=8", "trainer.steps=30"]
 RARE_SET = "rare_wording"
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="one seed, 50 steps, a small held-out set (under 15 min)")
+    p.add_argument("--quick", action="store_true", help="one seed, 30 steps, a small held-out set (meant for 15 min)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per cell (default 5; quick: 1)")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="the settings to run")
     p.add_argument("--jobs", type=int, default=2, help="runs at once (each uses one thread)")
@@ -87,10 +87,10 @@ def verdict(setting: str, stats: dict) -> str:
     final strict held-out accuracy with at most half its rollouts (spread over seeds < 0.25), and
     does generator-only lose more than it from the usual to the rare wording?"""
     joint = [m for m in stats if m != "generator_only"]
-    best = min(joint, key=lambda m: float(np.mean(stats[m]["ratio"])))
+    best = min(joint, key=lambda m: (float(np.mean(stats[m]["ratio"])), -float(np.mean(stats[m]["held"]))))
     s, g = stats[best], stats["generator_only"]
-    ratio, spread = float(np.mean(s["ratio"])), float(np.std(s["ratio"]))
-    wins = not s["missed"] and ratio <= 0.5 and spread < 0.25
+    ratio, spread, seeds = float(np.mean(s["ratio"])), float(np.std(s["ratio"])), len(s["ratio"])
+    wins = not s["missed"] and ratio <= 0.5 and spread < 0.25 and seeds > 1
     held = float(np.mean(s["held"])) - float(np.mean(g["held"]))
     words = [f"**{setting}**: the best joint method, {best}, needs {ratio:.2f}x ± {spread:.2f} of generator-only's "
              f"rollouts to reach its final strict held-out accuracy"
@@ -100,9 +100,14 @@ def verdict(setting: str, stats: dict) -> str:
         gd, jd = float(np.mean(g["rare_drop"])), float(np.mean(s["rare_drop"]))
         words.append(f"From the usual to the rare wording generator-only drops {gd:.3f} and {best} {jd:.3f}"
                      f" ({'larger' if gd > jd else 'not larger'} for generator-only).")
-    words.append("Joint RL **wins** here by the bar (<= 0.5x, spread < 0.25)." if wins and (
-        not s["rare"] or float(np.mean(g["rare_drop"])) > float(np.mean(s["rare_drop"])))
-        else "Joint RL does not win here by the bar (<= 0.5x, spread < 0.25).")
+    fewer_drop = not s["rare"] or float(np.mean(g["rare_drop"])) > float(np.mean(s["rare_drop"]))
+    if wins and fewer_drop:
+        words.append("Joint RL **wins** here by the bar (<= 0.5x, spread < 0.25).")
+    elif seeds == 1 and not s["missed"] and ratio <= 0.5 and fewer_drop:
+        words.append("On this one seed it meets the bar's 0.5x; whether the spread over seeds is under 0.25 "
+                     "needs more seeds.")
+    else:
+        words.append("Joint RL does not win here by the bar (<= 0.5x, spread < 0.25).")
     return " ".join(words)
 
 

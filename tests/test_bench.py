@@ -180,6 +180,8 @@ def test_the_settings_bench_says_where_joint_rl_wins_by_the_bar_and_why(tmp_path
     assert "**wins**" in text
     stats["promptrl_replace"]["rare_drop"] = [0.3, 0.3]  # reaches the target, but loses more to rare words
     assert "does not win" in settings.verdict("rare_wording", stats)
+    one_seed = {m: {0: r[0]} for m, r in runs.items()}
+    assert "needs more seeds" in settings.verdict("rare_wording", settings.cell_stats(one_seed)[0])
     lost = {m: dict(r) for m, r in runs.items() if m != "promptrl_replace"}
     assert "does not win" in settings.verdict("control", settings.cell_stats(lost)[0])
     cells = {"control": settings.cell_stats(lost), "rare_wording": settings.cell_stats(runs)}
