@@ -27,7 +27,7 @@ test: $(BIN)/.installed
 	JOINTRL_REQUIRE_VLLM=$(REQUIRE_VLLM) $(BIN)/python -m pytest -q --durations=25
 
 test-fast: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -m "not slow and not cluster" --durations=10
+	$(BIN)/python -m pytest -q -m "not slow and not cluster and not engine" --durations=10
 
 bench: $(BIN)/.installed
 	$(BIN)/python bench/perf.py

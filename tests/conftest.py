@@ -26,8 +26,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """`cluster`: a test on the session's local Ray (the fast tier, `make test-fast`, runs neither
-    these nor the modules marked so, whose tests start the command or a cluster of their own)."""
+    """`cluster`: a test on the session's local Ray. The fast tier (`make test-fast`) leaves out these,
+    the tests marked `cluster` by hand (they start the command, a Ray or a cluster of their own),
+    `engine` (vLLM engines) and `slow` (learning over tens of steps)."""
     for item in items:
         if "ray_session" in item.fixturenames:
             item.add_marker(pytest.mark.cluster)

@@ -128,6 +128,7 @@ def test_the_text_study_verdict_compares_each_pair_by_a_measure_that_tells_them_
     assert ": met (" not in verdict and "by x generator-only, counterfactual >= 1.50 ± 0.00 (2/2" in verdict
 
 
+@pytest.mark.cluster  # it starts the command, or a Ray, in a process of its own
 def test_rewards_bench_quick_writes_both_ratios(tmp_path):
     """`bench/rewards.py --quick` runs (tiny reward models, a local Ray with reward pools) and writes
     its report with a ratio per term and per pool measurement; no timing is asserted."""

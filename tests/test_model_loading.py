@@ -305,6 +305,7 @@ def unloadable(tmp_path: Path) -> Path:
     return folder
 
 
+@pytest.mark.cluster  # it starts the command, or a Ray, in a process of its own
 def test_a_model_that_fails_to_load_in_an_actor_is_one_paragraph_naming_the_actor_and_key(tmp_path):
     """A reward model that passes preflight but cannot be loaded kills the rollout worker as it
     starts: `jointrl train` (on a Ray of its own) prints one paragraph (the actor, the key, the

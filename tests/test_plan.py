@@ -130,6 +130,7 @@ def test_a_cpu_runs_memory_is_the_plans_host_figure():
     assert bigger > plan.host_bytes and memory_problem(config, have=bigger) is None  # the batch is in the figure
 
 
+@pytest.mark.cluster  # it starts the command, or a Ray, in a process of its own
 def test_place_on_a_cpu_ray_declaring_gpus_gives_each_actor_the_plans_gpu(tmp_path):
     """A private local Ray declaring the target's 4 GPUs (the pytest session's Ray has none)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

