@@ -23,7 +23,7 @@ held-out set (and on it said in rare words where the setting has them), the grou
 the first step and over the last ten, and the refiners' lever on the frozen base.
 
 Usage:
-  python bench/settings.py [--quick] [--seeds 5] [--settings control ...] [--jobs 2]
+  python bench/settings.py [--quick] [--seeds 5] [--settings control ...] [--methods ...] [--jobs 2]
 Writes NAME.md and NAME.png (default `settings`, quick: `settings-quick`) in --out.
 """
 from __future__ import annotations
@@ -60,6 +60,8 @@ def parse_args():
     p.add_argument("--quick", action="store_true", help="one seed, 30 steps, a small held-out set (meant for 15 min)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per cell (default 5; quick: 1)")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="the settings to run")
+    p.add_argument("--methods", nargs="+", choices=COMPARED[1:], default=list(COMPARED[1:]),
+                   help="the joint methods to run beside generator_only, the reference")
     p.add_argument("--jobs", type=int, default=2, help="runs at once (each uses one thread)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the report and plot go")
     p.add_argument("--name", default=None, help="the report's and plot's file name (default settings[-quick])")
@@ -115,7 +117,7 @@ def arrow(pair: tuple[float, float] | None) -> str:
     return f"{pair[0]:.2f} → {pair[1]:.2f}" if pair else "–"
 
 
-def write_report(path: Path, cells: dict[str, tuple[dict, dict]], meta: dict) -> None:
+def write_report(path: Path, cells: dict[str, tuple[dict, dict]], meta: dict, methods: list[str]) -> None:
     quick = " --quick" if meta["quick"] else ""
     lines = [f"# When joint RL wins: PromptRL's mechanisms as settings of the shapes world{' (quick run)' if quick else ''}",
              "", f"Written by `python bench/settings.py{quick}{meta['flags']}` on {meta['date']} in "
@@ -142,7 +144,7 @@ def write_report(path: Path, cells: dict[str, tuple[dict, dict]], meta: dict) ->
     lines += ["", "## Verdicts", "", *[f"- {verdict(setting, stats)}" for setting, (stats, _) in cells.items()],
               "", "## Settings and methods", "",
               *[f"- {name}: `{' '.join(SETTINGS[name]).replace(f'{ROOT}/', '') or 'the defaults'}`" for name in cells],
-              *[f"- {m}: `{' '.join(METHODS[m])}`" for m in COMPARED],
+              *[f"- {m}: `{' '.join(METHODS[m])}`" for m in methods],
               f"- every method with refiners: `{' '.join(REFINERS)}`",
               f"- the benchmark's settings on every run: `{' '.join(meta['bench'])}`", ""]
     path.write_text("\n".join(lines))
@@ -177,29 +179,31 @@ def main() -> int:
     seeds = args.seeds or (1 if args.quick else 5)
     bench = QUICK if args.quick else BENCH
     work = args.work or ROOT / "runs" / ("bench-settings-quick" if args.quick else "bench-settings")
+    methods = [m for m in COMPARED if m == COMPARED[0] or m in args.methods]
     code = {s: code_digest(load_config("shapes", [*bench, *SETTINGS[s]])) for s in args.settings}
-    jobs = [(s, m, seed) for seed in range(seeds) for s in args.settings for m in COMPARED]
+    jobs = [(s, m, seed) for seed in range(seeds) for s in args.settings for m in methods]
     sets = {(s, m, seed): method_sets([*bench, *SETTINGS[s]], m, seed, []) for s, m, seed in jobs}
     reused = sum(finished(run_path(work / s, m, seed, []), sets[s, m, seed], code[s]) for s, m, seed in jobs)
     print(f"bench: {len(jobs)} runs ({reused} reused), {args.jobs} at once", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:
         dirs = list(pool.map(lambda j: run_one(j[1], j[2], [*bench, *SETTINGS[j[0]]], [], work / j[0], code[j[0]]),
                              jobs))
-    runs: dict[str, dict[str, dict[int, dict]]] = {s: {m: {} for m in COMPARED} for s in args.settings}
+    runs: dict[str, dict[str, dict[int, dict]]] = {s: {m: {} for m in methods} for s in args.settings}
     for (s, m, seed), d in zip(jobs, dirs):
         runs[s][m][seed] = load(d, m)
     cells = {s: cell_stats(runs[s]) for s in args.settings}
     config = load_config("shapes", bench)
     name = args.name or ("settings-quick" if args.quick else "settings")
     flags = (f" --seeds {seeds}" if args.seeds else "") + (
-        f" --settings {' '.join(args.settings)}" if args.settings != list(SETTINGS) else "")
+        f" --settings {' '.join(args.settings)}" if args.settings != list(SETTINGS) else "") + (
+        f" --methods {' '.join(methods)}" if methods != list(COMPARED) else "")
     meta = {"quick": args.quick, "flags": flags, "date": time.strftime("%Y-%m-%d"), "reused": reused,
             "minutes": (time.perf_counter() - start) / 60, "runs": len(jobs), "seeds": seeds,
             "steps": config.trainer.steps, "per_step": config.trainer.prompts_per_step * config.algorithm.group_size,
             "per_category": config.evaluation.per_category, "every": config.evaluation.every, "bench": bench}
     args.out.mkdir(parents=True, exist_ok=True)
     report, picture = args.out / f"{name}.md", args.out / f"{name}.png"
-    write_report(report, cells, meta)
+    write_report(report, cells, meta, methods)
     plot(picture, cells, runs)
     print(report.read_text())
     print(f"bench: wrote {report} and {picture}")
