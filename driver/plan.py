@@ -374,7 +374,7 @@ def rollout_parts(config: Config, share: int, experts: set[str]) -> tuple[dict, 
         parts["weights: generator"] = arch.transformer * width + arch.lora * 4
         for name, n in arch.frontend.items():
             params[name] = n
-            parts[f"weights: {name}"] = n * width
+            parts[f"weights: {name}"] = n * arch.frontend_width[name]
         working["generate"] = arch.sample_working_set * chunk * guided(spec)
         working["decode"] = arch.decode_working_set * chunk
         parts["trajectories (one chunk)"] = chunk * (spec.sample_steps + 1) * arch.latent_numel * 4 * 2 \

@@ -112,13 +112,16 @@ class FamilyFrontEnd:
     `encode_texts` (or `features` and `join`), `latent_grid`, `sigmas` and `decode`."""
     COMPONENTS: tuple[str, ...] = ()
     ENCODERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")  # its frozen modules
+    FLOAT32: tuple[str, ...] = ()  # components kept in float32 whatever the model's dtype (as the family's examples)
 
     def __init__(self, config, device: torch.device):
         m = config.experts.generator.model
         self.config, self.spec, self.device = config, m, device
         self.path = local_model(m.path, m.revision)
         self.index = load_index(self.path)
-        self.parts = {name: component(self.path, self.index, name, DTYPES[m.dtype], device) for name in self.COMPONENTS}
+        self.parts = {name: component(self.path, self.index, name,
+                                      torch.float32 if name in self.FLOAT32 else DTYPES[m.dtype], device)
+                      for name in self.COMPONENTS}
         for name in self.ENCODERS:
             if self.parts.get(name) is not None:
                 self.parts[name].requires_grad_(False).eval()

@@ -285,6 +285,7 @@ class GeneratorArchitecture:
     lora: int
     per_transformer: dict[str, tuple[int, int]]  # each trained transformer's (parameters, adapter), by its name
     frontend: dict[str, int]
+    frontend_width: dict[str, int]  # bytes per parameter of each front-end part (the model's dtype, or float32)
     latent_shape: tuple[int, ...]
     image_tokens: int
     text_tokens: int
@@ -367,14 +368,17 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
         cond = {k: torch.empty((batch, *shape), device=META, dtype=dt or dtype) for k, (shape, dt) in shapes.items()}
         return x, torch.empty(batch, device=META), cond
     one = measure(transformer, lambda: velocity.velocity(*inputs(1)))
-    vae = in_dtype(built["vae"], dtype)
+    widths = {name: torch.float32 if name in module.FrontEnd.FLOAT32 else dtype for name in built}
+    vae = in_dtype(built["vae"], widths["vae"])
     decode = measure(vae, lambda: frontend.decode(torch.empty((1, *latent_shape), device=META, dtype=dtype)),
                      grad=False).working_set
     features = sum(math.prod(shape) * (torch.tensor([], dtype=dt or dtype).element_size())
                    for shape, dt in shapes.values())
     image_tokens = transformer_image_tokens(family, latent_shape)
     return GeneratorArchitecture(family, size, largest, lora, per_transformer,
-                                 {name: count(part) for name, part in built.items()}, latent_shape,
+                                 {name: count(part) for name, part in built.items()},
+                                 {name: torch.tensor([], dtype=d).element_size() for name, d in widths.items()},
+                                 latent_shape,
                                  image_tokens, text_tokens, one.kept, one.working_set, decode, features)
 
 

@@ -218,6 +218,9 @@ class Velocity(FamilyVelocity):
 
 class FrontEnd(FamilyFrontEnd):
     COMPONENTS = ("scheduler", "vae", "text_encoder", "tokenizer")
+    # diffusers' Wan examples load the VAE in float32 beside a bfloat16 transformer
+    # (`AutoencoderKLWan.from_pretrained(model_id, subfolder="vae", torch_dtype=torch.float32)`)
+    FLOAT32 = ("vae",)
 
     def __init__(self, config, device: torch.device):
         from diffusers import WanPipeline

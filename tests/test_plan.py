@@ -64,6 +64,20 @@ def test_parameter_counts_of_the_real_generators_are_the_published_sizes(preset,
     assert abs(counted - size) <= tolerance * size, counted
 
 
+def test_the_plan_counts_wans_vae_in_float32_beside_a_bfloat16_transformer():
+    """Wan's VAE is loaded in float32 whatever the model's dtype (as diffusers' Wan examples load it),
+    and the plan counts it so; its text encoder is in the model's dtype."""
+    from experts.memory import generator_architecture
+    config = resolve_config("wan2.1-1.3b")
+    m = config.experts.generator.model
+    assert m.dtype == "bfloat16"
+    arch = generator_architecture(m, config.task.image_size, config.task.image_width, config.task.num_frames)
+    assert arch.frontend_width == {"vae": 4, "text_encoder": 2}
+    flux = resolve_config("flux1")
+    assert set(generator_architecture(flux.experts.generator.model, flux.task.image_size).frontend_width.values()) \
+        == {2}
+
+
 def test_parameter_counts_of_the_klein_4b_refiner_and_reward_models_are_the_published_sizes():
     from common.architectures import ARCHITECTURES, config_folder
     from experts.memory import count, meta_component, reward_architecture

@@ -24,8 +24,8 @@ import torch
 from common.hub import local_model
 from common.loading import DTYPES
 from tasks.base import TextPrompt
-from tests.family_check import (PROMPTS, Sampled, assert_close, assert_equals_pipeline, assert_logps_are_normal,
-                                family_config, initial_latents, jointrl_ode, parts)
+from tests.family_check import (PROMPTS, Sampled, assert_close, assert_decodes_as_the_pipeline, assert_equals_pipeline,
+                                assert_logps_are_normal, family_config, initial_latents, jointrl_ode, parts)
 
 STEPS = 4
 FRAMES, HEIGHT, WIDTH = 5, 32, 64  # 2 latent frames; a non-square frame as the Wan presets use
@@ -34,9 +34,11 @@ CLIP = [f"task.num_frames={FRAMES}", f"task.image_size={HEIGHT}", f"task.image_w
 
 
 def wan_pipeline(path: str, dtype: str):
-    """diffusers' WanPipeline of `path` with the Euler scheduler of its UniPC config's shift."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
-    pipe = WanPipeline.from_pretrained(path, torch_dtype=DTYPES[dtype])
+    """diffusers' WanPipeline of `path` as its Wan examples load it (the VAE in float32 whatever the
+    transformer's dtype), with the Euler scheduler of its UniPC config's shift."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+    vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(path, vae=vae, torch_dtype=DTYPES[dtype])
     c = pipe.scheduler.config
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=c.num_train_timesteps, shift=c.flow_shift)
     pipe.set_progress_bar_config(disable=True)
@@ -99,12 +101,16 @@ def test_wan_ode_sampling_equals_the_diffusers_pipeline(kind, dtype):
     low_guidance = {"guidance_scale_2": 3.0} if kind == "wan2.2_a14b" else {}
     ours = by_jointrl(path, 5.0, dtype, *[f"experts.generator.model.{k}={v}" for k, v in low_guidance.items()])
     assert ours.latents.shape[1:] == (16, 2, HEIGHT // 8, WIDTH // 8)
+    assert ours.frontend.vae.dtype == torch.float32  # as diffusers' examples, whatever the transformer's dtype
+    assert ours.frontend.parts["text_encoder"].dtype == DTYPES[dtype]
     final, frames, timesteps = clip_sampled(wan_pipeline(path, dtype), ours.latents, guidance_scale=5.0, **low_guidance)
     assert ours.image.shape == (len(PROMPTS), FRAMES, 3, HEIGHT, WIDTH) == frames.shape
     if low_guidance:  # both transformers ran, each on its side of the boundary (0.875 x 1000)
         assert {n for n, *_ in timesteps} == {"transformer", "transformer_2"}
         assert all((t >= 875) == (n == "transformer") for n, _, t in timesteps)
-    assert_equals_pipeline(ours, ours.final, final, frames, timesteps, dtype, STEPS)
+    # the VAE decodes in float32 in both: the same latents give the same frames, in either dtype
+    assert_decodes_as_the_pipeline(ours.frontend, final, frames)
+    assert_equals_pipeline(ours, ours.final, final, frames, timesteps, dtype, STEPS, images=dtype == "float32")
 
 
 def test_wan22_ti2v_timestep_per_token_and_48_channel_vae_equal_the_pipeline():
