@@ -6,15 +6,41 @@ correctness oracle for `ray` and a debugger can step through a whole training st
 
 Every Ray actor is given this process's Hugging Face client settings (HF_TOKEN, HF_HOME, … :
 common/hub.py `hub_env`) in its runtime_env, so an actor on a node started by `ray start` reads the
-hub with the client's token into the client's cache; the actors it spawns pass them on.
+hub with the client's token into the client's cache; the actors it spawns pass them on. An actor
+that reserves a GPU is also given `GPU_ENV` (this process's own values where it sets them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import os
+
 import ray
 
 from common.hub import hub_env
+
+# Set in every actor that reserves a GPU, before torch starts CUDA or NCCL there.
+GPU_ENV = {
+    # segments that grow in place instead of new fixed-size blocks: a step's varying sequence and
+    # batch shapes fragment the caching allocator's pool less (torch's CUDA memory notes).
+    # PYTORCH_CUDA_ALLOC_CONF is read first by every torch the project supports (PYTORCH_ALLOC_CONF,
+    # its newer generic name, is read only where the former is unset).
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    # 2, CleanUpOnly: on a failed or timed-out collective NCCL's watchdog aborts the communicator
+    # and the waiting call raises ("NCCL communicator was aborted"), where torch's default (3,
+    # SkipCleanUp) tears the process down. So a lost peer reaches experts/parallel.py's
+    # recognition and the gang is rebuilt, instead of every rank dying and spending
+    # cluster.max_restarts (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp: ErrorHandlingMode).
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+}
+
+
+def actor_env(options: dict) -> dict[str, str]:
+    """The environment variables a Ray actor spawned with `options` is given: the hub's settings,
+    this process's own values of GPU_ENV's variables (so the driver actor passes a user's choice on
+    to the actors it spawns), and GPU_ENV's defaults for the rest if the actor reserves a GPU."""
+    own = {k: os.environ[k] for k in GPU_ENV if k in os.environ}
+    return {**hub_env(), **({**GPU_ENV, **own} if options.get("num_gpus") else own)}
 
 
 class InlineRef:
@@ -91,7 +117,7 @@ class Runtime:
             handle = self.members.inline[name] = InlineHandle(cls(*args))
             return handle
         options = {"num_cpus": 0, **options}
-        if env := hub_env():
+        if env := actor_env(options):
             options["runtime_env"] = {"env_vars": env}
         groups = getattr(cls, "CONCURRENCY_GROUPS", None)  # its methods' groups besides the default one
         actor = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)

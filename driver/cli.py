@@ -482,25 +482,27 @@ def run_plan(args) -> int:
         if value is not None and (value < 0 or flag != "--gpus" and value <= 0):
             raise PlanError(f"{flag} {value}: must be {'at least 0' if flag == '--gpus' else 'positive'}")
     plan = plan_for(config, target_for(config, args.gpus, args.gpu_memory, args.nodes))
-    placed = None
+    placed = placed_env = None
     if args.place:
         from cluster.place_check import placed_ids
         from cluster.placement import PlacementError
         try:
-            placed = placed_ids(config, plan.gpu_groups(), plan.target.gpus, verbose=config.logging.ray_verbose)
+            placed, placed_env = placed_ids(config, plan.gpu_groups(), plan.target.gpus,
+                                            verbose=config.logging.ray_verbose)
         except PlacementError as e:
             raise PlanError(f"--place: {e}; everything reserved was released") from None
     layouts = compare(config, plan.target)
     if args.json:
         print(json.dumps({**plan.to_json(), "layouts": compare_json(layouts),
-                          **({"placed": placed} if placed is not None else {})}, indent=2))
+                          **({"placed": placed, "placed_env": placed_env} if placed is not None else {})}, indent=2))
     else:
         print(report(plan))
         print("\n" + compare_report(layouts))
         if placed is not None:
             print("\nplacement on Ray (GPU ids Ray gave each actor, beside the plan's):")
             for name, ids in placed.items():
-                print(f"  {name}: Ray {ids}, plan {plan.actors[name].gpus}")
+                env = " ".join(f"{k}={v}" for k, v in placed_env[name].items())
+                print(f"  {name}: Ray {ids}, plan {plan.actors[name].gpus}; {env}")
     return 0
 
 

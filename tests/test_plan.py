@@ -171,6 +171,21 @@ def test_place_on_a_cpu_ray_declaring_gpus_gives_each_actor_the_plans_gpu(tmp_pa
     by_plan = {frozenset(g["actors"]) for g in plan["gpus"] if g["actors"]}
     assert {frozenset(v) for v in by_ray.values()} == by_plan  # actors share an id exactly where the plan says
     assert any(len(g) > 1 for g in by_plan)
+    from cluster.runtime import GPU_ENV
+    assert plan["placed_env"] == {name: GPU_ENV for name in placed}  # spawned as the run's GPU actors are
+
+
+def test_gpu_actors_are_given_the_allocator_and_nccl_settings_unless_the_user_set_them(monkeypatch):
+    from cluster.runtime import GPU_ENV, actor_env
+    monkeypatch.setenv("HF_HOME", "/models")
+    for k in GPU_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert actor_env({"num_cpus": 0, "num_gpus": 0}) == {"HF_HOME": "/models"}
+    assert actor_env({"num_gpus": 0.5}) == {"HF_HOME": "/models", **GPU_ENV}
+    assert GPU_ENV == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # the user's choice, passed on through the driver actor
+    assert actor_env({"num_gpus": 1})["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert actor_env({"num_gpus": 0}) == {"HF_HOME": "/models", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
 def test_once_connected_to_a_cluster_with_gpus_train_is_planned_against_them(monkeypatch):
