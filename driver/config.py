@@ -275,6 +275,9 @@ class ClusterConfig(Strict):
                                                                   "stops, naming those it could not place")
     max_restarts: NonNegativeInt = Field(3, description="per actor: Ray restarts it this often, the driver "
                                                         "restores its state")
+    restart_wait_s: PositiveFloat = Field(600.0, description="seconds the driver waits for Ray to restart a dead "
+                                                             "actor (a restarted expert loads its model again, "
+                                                             "minutes for a large one); then the run stops")
 
     @property
     def workers(self) -> int:

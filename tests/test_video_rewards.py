@@ -97,7 +97,8 @@ def test_a_pool_of_reward_actors_is_sent_the_chosen_frames_only():
             return 0
     actor = Actor()
     term = TermConfig(fn="clip_score", per_frame={"frames": 2, "reduce": "min"})
-    pooled = sample_scorer(term, PooledTerm([InlineHandle(actor)], first=0, attempts=0, images_per_call=4))
+    pooled = sample_scorer(term, PooledTerm([InlineHandle(actor)], first=0, attempts=0, images_per_call=4,
+                                            wait_s=1))
     batch = clips(b=3, f=6)
     scored = pooled(batch, prompts(3), [{}] * 3)
     assert [shape for shape, _, _ in actor.inner.calls] == [(4, 3, 24, 24), (2, 3, 24, 24)]  # 6 frames, by 4
