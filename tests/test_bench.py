@@ -159,6 +159,26 @@ def _run(curve: list[float], rare: list[float], mode: str, zero_std: tuple[float
                                            "groups/similarity": (0.9, 0.95)}}
 
 
+def test_the_shapes_low_diversity_preset_is_the_benchmark_cell_it_reports():
+    """configs/shapes-low-diversity.yaml is bench/settings.py's low_diversity setting under
+    promptrl_counterfactual, every key; with experts.generator_only=true it is that setting's
+    generator-only run (bar the refiners' KL, which a run without refiners never reads)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import learning
+    import settings
+
+    from driver.config import load_config
+    cell = [*learning.BENCH, *settings.SETTINGS["low_diversity"]]
+    joint = load_config("shapes", [*cell, *learning.REFINERS, *learning.METHODS["promptrl_counterfactual"]])
+    assert load_config("shapes-low-diversity").model_dump() == joint.model_dump()
+    alone = load_config("shapes", [*cell, *learning.METHODS["generator_only"]]).model_dump()
+    preset_alone = load_config("shapes-low-diversity", ["experts.generator_only=true"]).model_dump()
+    assert preset_alone["experts"]["generator"] == alone["experts"]["generator"]
+    assert preset_alone["trainer"] == alone["trainer"] and preset_alone["evaluation"] == alone["evaluation"]
+    assert preset_alone["reward"]["terms"]["image"] == alone["reward"]["terms"]["image"]
+
+
+@pytest.mark.slow
 def test_the_settings_bench_says_where_joint_rl_wins_by_the_bar_and_why(tmp_path):
     """bench/settings.py's figures and verdicts on runs whose curves are known: a joint method that
     reaches generator-only's final accuracy in a third of its rollouts and loses less to the rare
@@ -188,7 +208,9 @@ def test_the_settings_bench_says_where_joint_rl_wins_by_the_bar_and_why(tmp_path
     cells = {"control": settings.cell_stats(lost), "rare_wording": settings.cell_stats(runs)}
     meta = {"quick": False, "flags": "", "date": "2026-12-06", "reused": 0, "minutes": 1.0, "runs": 5, "seeds": 2,
             "steps": 10, "per_step": 64, "per_category": 100, "every": 10, "bench": ["trainer.steps=10"]}
-    settings.write_report(tmp_path / "settings.md", cells, meta)
+    assert "is not measured here" in settings.verdict("low_diversity", {m: {**st, "rare": [], "rare_drop": []}
+                                                                       for m, st in stats.items()})
+    settings.write_report(tmp_path / "settings.md", cells, meta, list(settings.COMPARED))
     report = (tmp_path / "settings.md").read_text()
     rows = [line for line in report.splitlines() if line.startswith("| control |") or line.startswith("| rare_wording |")]
     assert len(rows) == 5 and "| rare_wording | generator_only | 1.00 ± 0.00 | 0.800 ± 0.000 | 0.600 ± 0.000 |" in report
