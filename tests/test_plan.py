@@ -42,6 +42,10 @@ def test_every_gpu_preset_fits_its_target_on_whole_gpus(preset):
     assert all(g.actors for g in plan.gpus)  # the layout uses every GPU of its target
     gpu_actors = sum(1 for a in plan.actors.values() if a.gpus)  # whole GPUs: shared only when actors outnumber them
     assert sum(len(g.actors) - 1 for g in plan.gpus) == max(0, gpu_actors - target.gpus)
+    from driver.layout_plan import compare
+    layouts = compare(config, target)  # the preset runs the faster layout, unless it refuses the other
+    assert layouts["faster"] == config.cluster.layout, {k: getattr(v, "step_s", v) for k, v in layouts.items()
+                                                        if k in ("separate", "colocated")}
 
 
 # published sizes: FLUX.1-dev 12 B (model card; 11.9 B counted by diffusers), Qwen-Image 20 B (model card;
@@ -117,7 +121,10 @@ def test_no_gpu_an_unknown_model_and_collective_sync_on_a_shared_gpu_exit_2(caps
 
 
 def test_json_holds_per_actor_gpus_params_and_bytes(capsys):
-    code, out, _ = run(capsys, "--config", "sd3", "--json", "--gpus", "8", "--gpu-memory", "80")
+    separate = ["cluster.layout=separate", "experts.generator.parallel.ranks=1", "cluster.rollout_workers=5",
+                "cluster.rollout_resources={num_gpus: 1}"]  # the preset is colocated; rollout workers idle in turn
+    code, out, _ = run(capsys, "--config", "sd3", "--json", "--gpus", "8", "--gpu-memory", "80",
+                       *[a for k in separate for a in ("--set", k)])
     plan = json.loads(out)
     assert code == 0 and plan["target"]["source"] == "flags"
     generator = plan["actors"]["expert/generator"]
@@ -197,7 +204,8 @@ def test_once_connected_to_a_cluster_with_gpus_train_is_planned_against_them(mon
     monkeypatch.setattr(ray, "nodes", lambda: [node])
     fits_cluster(resolve_config("sd3"))  # its layout fits 8 GPUs of 80 GB
     with pytest.raises(PlanError, match="do not fit the target's 8 GPUs"):  # 9 actors of 56-67 GB on 8 GPUs
-        fits_cluster(resolve_config("qwen-image", ["cluster.rollout_workers=8"]))
+        fits_cluster(resolve_config("qwen-image", ["cluster.layout=separate", "experts.generator.parallel.ranks=1",
+                                                   "cluster.rollout_workers=8", "cluster.rollout_resources={num_gpus: 1}"]))
     node["Resources"]["GPU"] = 1.0
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 1.0, "CPU": 8.0})
     with pytest.raises(PlanError, match="expert/generator needs .* the Ray cluster"):
