@@ -103,15 +103,16 @@ def tiny_overrides(preset: str) -> list[str]:
 
 def random_overrides(preset: str) -> list[str]:
     """The preset with each generator and refiner that names a hub id as `random:<hub id>`;
-    ConfigError if a reward term loads a model (none has a random stand-in)."""
+    SettingError if a reward term loads a model (none has a random stand-in)."""
     from common.hub import RANDOM, ModelRef
-    from driver.config import ConfigError, resolve_config
+    from common.config import SettingError
+    from driver.config import resolve_config
     from tasks.rewards import resolve
     real = resolve_config(preset)
     loaders = [name for name, term in real.reward.terms.items() if hasattr(resolve(term.fn), "models")
                and term.options() is not None and any(ref.on_hub for ref in resolve(term.fn).models(term.options()))]
     if loaders:
-        raise ConfigError(f"--random: the reward terms {', '.join(loaders)} of '{preset}' load models of their own, "
+        raise SettingError(f"--random: the reward terms {', '.join(loaders)} of '{preset}' load models of their own, "
                           f"which have no random stand-in; run --tiny, or a preset whose reward needs no model (gpu)")
     return [f"experts.{e}.model.path={RANDOM}{real.expert(e).model.path}" for e in real.experts.ids()
             if real.expert(e).model.kind in ("hf_causal_lm", "diffusers_flow") and ModelRef(real.expert(e).model.path).on_hub]
@@ -279,7 +280,7 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from driver.config import ConfigError
+    from common.config import SettingError
     if not torch.cuda.is_available():
         print("gpu_smoke: no CUDA device: this acceptance run needs a GPU", file=sys.stderr)
         return 2
@@ -292,7 +293,7 @@ def main() -> int:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
             passed.append(smoke(preset, args.tiny, args.steps, args.prompts, args.collective, run_dir, args.random))
-        except ConfigError as e:  # its plan cannot fit this machine (or its config is wrong): said, not run
+        except SettingError as e:  # its plan cannot fit this machine (or its config is wrong): said, not run
             print(f"gpu_smoke {preset}: {e}", file=sys.stderr, flush=True)
             refused.append(preset)
     print(f"GPU SMOKE: {sum(passed)} of {len(presets)} passed" + (f"; not run: {', '.join(refused)}" if refused else ""),

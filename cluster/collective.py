@@ -34,7 +34,7 @@ from experts.parallel import backend_for, join_group
 ALIGN = 16  # bytes: every tensor starts at a multiple of this in the buffer, so its view is aligned
 
 
-class CollectiveRefused(SettingError, ValueError):
+class CollectiveRefused(SettingError):
     """A broadcast group that cannot work, said once instead of falling back every step."""
     config_key = "cluster.sync"
 

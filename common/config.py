@@ -8,9 +8,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat
 
 
-class SettingError(Exception):
-    """A failure a config key is to blame for, found only where the setting is used (an actor
-    loading a model, forming a group): the user's to fix. `config_key` names the key."""
+class SettingError(ValueError):
+    """A bad setting, the user's to fix: a config or value the schema, an override or a preflight
+    check refuses, or a failure found only where the setting is used (an actor loading a model,
+    forming a group). The CLI prints it and exits with status 2, before starting anything where it
+    can. `config_key` names the key where one is to blame."""
     config_key: str | None = None
 
 

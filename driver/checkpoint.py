@@ -21,13 +21,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from cluster.runtime import get
-from driver.config import ConfigError
+from common.config import SettingError
 from experts import state_file
 from experts.records import ExpertInfo, ShardFiles, Snapshot
 from experts.weights import synced_state
 
 
-class CheckpointError(ConfigError):
+class CheckpointError(SettingError):
     """A checkpoint that is missing, corrupt or made for another config; the CLI exits with 2."""
 
 

@@ -21,8 +21,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cluster.startup import start_failure
+from common.config import SettingError
 from common.loading import one_line
-from driver.config import Config, ConfigError, load_config, run_config
+from driver.config import Config, load_config, run_config
 from driver.interrupts import EXIT_CODES
 from driver.metrics import progress_line
 
@@ -117,7 +118,7 @@ def run_given_once(parser, args) -> None:
 REWARDS_FAILED = 3  # the exit status of a run stopped because its rewards kept failing
 
 
-def config_error(error: ConfigError) -> int:
+def config_error(error: SettingError) -> int:
     print(f"jointrl: {error}", file=sys.stderr)
     return 2
 
@@ -143,7 +144,7 @@ def prepare_run(config: Config, path: Path) -> Path:
     for left, what in (("metrics.jsonl", "a run (metrics.jsonl)"), ("checkpoints", "a run's checkpoints"),
                        ("config.yaml", "the config.yaml of a run that stopped before its first step")):
         if (path / left).exists():
-            raise ConfigError(f"--run-dir '{path}' already holds {what}; choose another folder so nothing "
+            raise SettingError(f"--run-dir '{path}' already holds {what}; choose another folder so nothing "
                               f"already trained is overwritten (or continue it: jointrl train --resume {path})")
     if config.trainer.run_name is None:
         config.trainer.run_name = path.resolve().name
@@ -157,7 +158,7 @@ def prepare_resume(path: Path, config_arg: str | None, overrides: list[str]) -> 
     from driver import checkpoint
     from experts.kinds import build_model
     if config_arg:
-        raise ConfigError(f"--resume '{path}' trains with the run's saved config.yaml; drop --config "
+        raise SettingError(f"--resume '{path}' trains with the run's saved config.yaml; drop --config "
                           f"'{config_arg}' (use --set to change a key)")
     config = run_config(path, "--resume", overrides)
     ckpt = checkpoint.latest(path)
@@ -167,7 +168,7 @@ def prepare_resume(path: Path, config_arg: str | None, overrides: list[str]) -> 
     if overrides:  # what a checkpoint's shapes cannot show
         refuse_weight_changes(run_config(path, "--resume"), config, path)
     if step >= config.trainer.steps:
-        raise ConfigError(f"--resume '{path}': the run is complete ({step} of trainer.steps={config.trainer.steps}); "
+        raise SettingError(f"--resume '{path}': the run is complete ({step} of trainer.steps={config.trainer.steps}); "
                           f"raise it with --set trainer.steps=N to train further")
     return config, ckpt
 
@@ -182,7 +183,7 @@ def refuse_weight_changes(saved: Config, resumed: Config, path: Path) -> None:
     before, after = flat(saved.model_dump()), flat(resumed.model_dump())
     for key in sorted(set(before) | set(after)):
         if WEIGHT_KEYS.fullmatch(key) and before.get(key) != after.get(key):
-            raise ConfigError(f"--resume '{path}': --set {key} changes what the run's weights were made with "
+            raise SettingError(f"--resume '{path}': --set {key} changes what the run's weights were made with "
                               f"({before.get(key)!r} -> {after.get(key)!r}); a resumed run keeps its models, their "
                               f"frozen parts and its seed. Start a new run for another one. Nothing was started.")
 
@@ -275,13 +276,13 @@ def follow_on_ray(driver, interrupts, progress: Progress) -> dict:
 
 
 def connect_to(address: str | None, log_file: Path | None = None) -> None:
-    """Ray (its own lines to `log_file` if given), or a ConfigError naming the address and what a
+    """Ray (its own lines to `log_file` if given), or a SettingError naming the address and what a
     token-authenticated cluster needs."""
     from cluster.connect import connect
     try:
         connect(address, log_file=log_file)
     except ConnectionError as e:
-        raise ConfigError(f"cannot connect to the Ray cluster at cluster.address={address!r} ({e}); a cluster "
+        raise SettingError(f"cannot connect to the Ray cluster at cluster.address={address!r} ({e}); a cluster "
                           f"with token authentication needs RAY_AUTH_MODE=token in this client's environment "
                           f"(and its token). Nothing was started.") from None
 
@@ -305,7 +306,7 @@ def evaluate(args) -> int:
 def run_sample(args) -> int:
     from driver.sample import sample_run
     if args.n < 1:
-        raise ConfigError(f"-n {args.n}: draw at least one image")
+        raise SettingError(f"-n {args.n}: draw at least one image")
     run = Path(args.run_dir)
     drawn = sample_run(run, run_config(run, "RUN_DIR", args.overrides, layer=args.config), args.prompt, args.n,
                        args.seed, Path(args.out) if args.out else None)
@@ -373,7 +374,7 @@ def train_command(args, interrupts) -> int:
               + (f", resuming from {resume}" if resume else ""), flush=True)
         try:
             summary = train(config, path, interrupts, resume)
-        except (ConfigError, KeyboardInterrupt):
+        except (SettingError, KeyboardInterrupt):
             raise
         except Exception as e:  # the run dir keeps whatever was written: metrics so far, checkpoints
             if (failed := start_failure(e)) is not None:  # one paragraph; Ray's tracebacks go to the log
@@ -521,7 +522,7 @@ def run_score(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Every command; a user's error (ConfigError) is one paragraph on stderr and exit status 2, a
+    """Every command; a user's error (SettingError) is one paragraph on stderr and exit status 2, a
     second signal stops at once with its status (130 for Ctrl-C). Run as the command (no `argv`),
     its status is final once said: a signal while the interpreter exits (Ray's and torch's
     teardown, about a second) is ignored rather than end the process with another status."""
@@ -530,7 +531,7 @@ def main(argv=None) -> int:
         return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
                 "report": run_report, "config": run_config_docs, "score": run_score,
                 "download": run_download, "plan": run_plan}[args.command](args)
-    except ConfigError as e:
+    except SettingError as e:
         return config_error(e)
     except KeyboardInterrupt as stop:  # a second signal (StopNow) or Ctrl-C outside a run
         print("jointrl: stopped at once; the run keeps its last checkpoint", file=sys.stderr, flush=True)

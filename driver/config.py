@@ -1,7 +1,7 @@
 """The typed run config: the schema's defaults, presets (configs/*.yaml) override a few, `--set` any.
 
 `load_config` turns a preset name or YAML path plus `dotted.key=value` overrides into a validated
-`Config`, or raises `ConfigError` with one paragraph that names the offending key. The schema here
+`Config`, or raises `SettingError` with one paragraph that names the offending key. The schema here
 only judges values; the files, models, packages and reward function a config names are checked by
 driver/preflight.py, the last step of `load_config`. Every key carries its description:
 `jointrl config keys` lists them, `jointrl config show` prints a resolved config with them.
@@ -16,16 +16,12 @@ import yaml
 from pydantic import BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, \
     ValidationError, model_validator
 
-from common.config import Resources, Strict
+from common.config import Resources, SettingError, Strict
 from experts.generator import LOW_NOISE, GeneratorConfig
 from experts.refiner import RefinerConfig
 from experts.spec import TextEncoderConfig
 from tasks.rewards.term import TermConfig
 from tasks.shapes import MAX_PROMPT_WORDS
-
-
-class ConfigError(ValueError):
-    """A bad config or value; the CLI prints it and exits with status 2 before starting anything."""
 
 
 def models_of(annotation) -> list[type[BaseModel]]:
@@ -671,7 +667,7 @@ def default_owns(i: int, n: int, text: list[str]) -> list[str]:
 def resolve_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
     """The validated config of a preset name or YAML path plus `dotted.key=value` overrides, without
     the preflight checks (what `jointrl config show` prints)."""
-    from driver import overrides as sets, presets  # they raise ConfigError, defined here
+    from driver import overrides as sets, presets
     tree = sets.first_refiners(with_default_terms(presets.load_tree(source), overrides), list(overrides))
     return validated(sets.apply(tree, list(overrides)))
 
@@ -691,11 +687,11 @@ def with_default_terms(tree: dict, overrides) -> dict:
 
 
 def validated(tree: dict) -> Config:
-    """The Config of a tree, or a ConfigError naming every bad key."""
+    """The Config of a tree, or a SettingError naming every bad key."""
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(describe(e)) from None
+        raise SettingError(describe(e)) from None
 
 
 def load_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
@@ -714,7 +710,7 @@ def run_config(run_dir: Path, flag: str, overrides: list[str] = (), layer: str |
     from driver.preflight import download_line, preflight
     saved = Path(run_dir) / "config.yaml"
     if not saved.is_file():
-        raise ConfigError(f"{flag} '{run_dir}' is not a run directory (no config.yaml there)")
+        raise SettingError(f"{flag} '{run_dir}' is not a run directory (no config.yaml there)")
     tree = presets.load_tree(str(saved))
     if layer:
         tree = sets.merge(tree, presets.load_tree(layer))

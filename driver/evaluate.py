@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.config import SettingError
 from driver.checkpoint import pipeline_at
-from driver.config import ConfigError
 from driver.images import grid, write_picture
 from driver.plots import caption, sample_sheet
 from experts.devices import local_device
@@ -63,7 +63,7 @@ def base_config(config, base: Path):
     """`config` starting from the pretrained base in `base`, evaluated without refinement."""
     for name in ("generator", "text_encoder"):
         if not (base / f"{name}.safetensors").is_file():
-            raise ConfigError(f"--base '{base}' holds no {name}.safetensors (expected the folder `jointrl pretrain` "
+            raise SettingError(f"--base '{base}' holds no {name}.safetensors (expected the folder `jointrl pretrain` "
                               f"wrote)")
     return config.model_copy(update={
         "experts": config.experts.model_copy(update={

@@ -22,7 +22,8 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-from driver.config import Config, ConfigError, validated
+from common.config import SettingError
+from driver.config import Config, validated
 from driver.plan import (PROMPT_TOKENS, PlanError, Target, guided, plan_for, refined_samples, step_samples,
                          task_generator, trained_steps)
 from experts.memory import lm_architecture
@@ -211,7 +212,7 @@ def compare(config: Config, target: Target, costs: PhaseCosts | None = None) -> 
         try:
             validated(other.model_dump())  # a layout this config refuses is never the one recommended
             out[layout] = estimate(other, costs, target)
-        except ConfigError as e:
+        except SettingError as e:
             why = str(e).removeprefix("invalid config: ").removesuffix(" Nothing was started.")
             out[layout] = f"{REFUSED}{why.replace('config: Value error, ', '')}"
         except PlanError as e:  # the other layout may not fit where the config's own does

@@ -9,13 +9,13 @@ import re
 
 import yaml
 
-from driver.config import ConfigError
+from common.config import SettingError
 
 
 def parse_override(item: str) -> tuple[str, object]:
     """`key=value` as (key, value), the value read as YAML (`3`, `true`, `[a, b]`, `{r: 4}`)."""
     if "=" not in item:
-        raise ConfigError(f"invalid --set '{item}': expected dotted.key=value")
+        raise SettingError(f"invalid --set '{item}': expected dotted.key=value")
     key, raw = item.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw.strip() else raw
@@ -33,15 +33,15 @@ def set_key(tree: dict, dotted: str, value) -> None:
             k = int(k)
             node += [{} for _ in range(k + 1 - len(node))]
         elif not isinstance(node, dict):
-            raise ConfigError(f"invalid config key '{dotted}': '{'.'.join(keys[:i])}' is not a section")
+            raise SettingError(f"invalid config key '{dotted}': '{'.'.join(keys[:i])}' is not a section")
         nxt = node[k] if (isinstance(node, list) or k in node) else None
         if nxt is None:
             nxt = node[k] = {}
         node = nxt
     if isinstance(node, list):
-        raise ConfigError(f"invalid config key '{dotted}': give a field, e.g. '{dotted}.lr'")
+        raise SettingError(f"invalid config key '{dotted}': give a field, e.g. '{dotted}.lr'")
     if not isinstance(node, dict):
-        raise ConfigError(f"invalid config key '{dotted}': '{'.'.join(keys[:-1])}' is a value, not a section")
+        raise SettingError(f"invalid config key '{dotted}': '{'.'.join(keys[:-1])}' is a value, not a section")
     node[keys[-1]] = value
 
 

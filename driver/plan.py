@@ -49,7 +49,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from driver.config import Config, ConfigError
+from common.config import SettingError
+from driver.config import Config
 from experts.generator import GeneratorConfig, transformer_part
 from experts.memory import DTYPE_BYTES, UnknownModel, generator_architecture, lm_architecture, reward_architecture
 
@@ -59,7 +60,7 @@ PROMPT_TOKENS = 128  # chat template, system prompt and user prompt of a refiner
 TINY_ACTIVATION = 4 * 12  # the tiny kinds: fp32 bytes kept per token, width and layer (a transformer block's ~12 tensors)
 
 
-class PlanError(ConfigError):
+class PlanError(SettingError):
     """The config cannot fit its target (or the target has no GPU for it); exit status 2."""
 
 
@@ -561,7 +562,7 @@ def reserve_engines(config: Config, actors: dict[str, ActorPlan], target: Target
 
 
 def plan_for(config: Config, target: Target) -> Plan:
-    """The memory plan of `config` on `target`; raises PlanError (a ConfigError, exit 2) when it
+    """The memory plan of `config` on `target`; raises PlanError (a SettingError, exit 2) when it
     cannot fit or names a model whose architecture is unknown."""
     try:
         actors = actors_of(config)

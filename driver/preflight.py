@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
+from common.config import SettingError
 from common.hub import BUILDERS, RANDOM, TINY, is_random, is_tiny
 from driver.checkpoint import sha256
-from driver.config import ConfigError, invalid
+from driver.config import invalid
 from driver.overrides import flat
 from experts.families import FAMILIES, VIDEO
 
@@ -167,7 +168,7 @@ def missing(*modules: str) -> list[str]:
 
 
 def preflight(config: Config, download: str = "jointrl download --config <your config>") -> None:
-    """Raise ConfigError naming every key whose file, model, package or reward function is not there
+    """Raise SettingError naming every key whose file, model, package or reward function is not there
     (a hub model: not in the cache while the hub cannot be reached; `download`: the command that
     fetches the config's models, said with it). Local model paths are set to the directory that is
     loaded (`~` expanded)."""
@@ -216,7 +217,7 @@ def preflight(config: Config, download: str = "jointrl download --config <your c
     if not problems and (too_big := memory_problem(config)):
         problems.append(too_big)
     if problems:
-        raise ConfigError(invalid(problems))
+        raise SettingError(invalid(problems))
 
 
 def engine_problems(config: Config, expert_id: str, spec) -> list[str]:
@@ -383,4 +384,4 @@ def fits_cluster(config: Config) -> None:
         return
     have = resources.get("memory", 0) + resources.get("object_store_memory", 0)
     if have and (too_big := memory_problem(config, have, "the Ray cluster")):
-        raise ConfigError(invalid([too_big]))
+        raise SettingError(invalid([too_big]))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from driver.config import ConfigError
+from common.config import SettingError
 
 
 def names() -> list[str]:
@@ -27,14 +27,14 @@ def load_tree(source: str) -> dict:
     elif Path(source).is_file():
         where, folder, text = f"config file '{source}'", Path(source).resolve().parent, Path(source).read_text()
     else:
-        raise ConfigError(f"unknown config '{source}': neither a preset ({', '.join(names())}) "
+        raise SettingError(f"unknown config '{source}': neither a preset ({', '.join(names())}) "
                           f"nor an existing YAML file")
     try:
         tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{where} is not valid YAML: {e}") from None
+        raise SettingError(f"{where} is not valid YAML: {e}") from None
     if not isinstance(tree, dict):
-        raise ConfigError(f"{where} must hold a mapping of sections, not {type(tree).__name__}")
+        raise SettingError(f"{where} must hold a mapping of sections, not {type(tree).__name__}")
     return with_file_paths(tree, folder)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from driver.config import ConfigError
+from common.config import SettingError
 from driver.images import FPS
 from driver.metrics import parse
 from driver.plots import caption, curves, sample_sheet
@@ -26,7 +26,7 @@ def metric_rows(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     rows = [r for r in (parse(line) for line in (path.read_text().splitlines() if path.is_file() else [])) if r]
     if not rows:
-        raise ConfigError(f"report '{run_dir}': no metrics there yet (no rows in {path})")
+        raise SettingError(f"report '{run_dir}': no metrics there yet (no rows in {path})")
     return rows
 
 
@@ -88,6 +88,6 @@ def report(run_dir: Path, config) -> tuple[list[Path], str | None]:
     try:
         images, captions, title, fps = latest_samples(run_dir) or drawn_samples(run_dir, config())
         written.append(sample_sheet(images, captions, title, out / "samples.png", fps=fps or FPS))
-    except ConfigError as e:  # no checkpoint (yet) to draw samples from: the curves stand alone
+    except SettingError as e:  # no checkpoint (yet) to draw samples from: the curves stand alone
         missing = str(e)
     return written, missing

@@ -9,26 +9,26 @@ import socket
 from contextlib import contextmanager
 from pathlib import Path
 
-from driver.config import ConfigError
+from common.config import SettingError
 
 
 @contextmanager
 def run_lock(run_dir: Path, flag: str = "--run-dir"):
-    """Hold RUN_DIR's lock for the block, making the folder if needed; refuse (ConfigError) a
+    """Hold RUN_DIR's lock for the block, making the folder if needed; refuse (SettingError) a
     folder another run holds, or one that cannot be made or written."""
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise ConfigError(f"{flag} '{run_dir}': cannot make or write it ({e.strerror}); choose a writable "
+        raise SettingError(f"{flag} '{run_dir}': cannot make or write it ({e.strerror}); choose a writable "
                           f"folder. Nothing was started.") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            raise ConfigError(f"{flag} '{run_dir}' is in use by another run ({holder}); wait for it to end or "
+            raise SettingError(f"{flag} '{run_dir}' is in use by another run ({holder}); wait for it to end or "
                               f"choose another folder. Nothing was started.") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)

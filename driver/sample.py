@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common.config import SettingError
 from driver import checkpoint
-from driver.config import ConfigError
 from driver.images import grid, write_picture
 from tasks.base import TextPrompt
 from tasks.shapes import encode_words
@@ -37,9 +37,9 @@ def user_prompt(text: str, config) -> TextPrompt:
         try:
             (encode_video_words if config.task.name == "shapes_video" else encode_words)(words)
         except ValueError as e:
-            raise ConfigError(f"--prompt {text!r}: {e}. Nothing was drawn.") from None
+            raise SettingError(f"--prompt {text!r}: {e}. Nothing was drawn.") from None
     elif not words:
-        raise ConfigError(f"--prompt {text!r}: an empty prompt. Nothing was drawn.")
+        raise SettingError(f"--prompt {text!r}: an empty prompt. Nothing was drawn.")
     return TextPrompt(" ".join(words))
 
 
@@ -49,10 +49,10 @@ def sample_run(run_dir: Path, config, text: str, n: int = 4, seed: int = 0, out:
     "refinements" (one dict per image, refiner id -> words)}."""
     prompt = user_prompt(text, config)
     if out is not None and out.is_dir():
-        raise ConfigError(f"--out '{out}' is a folder; name the PNG file to write. Nothing was drawn.")
+        raise SettingError(f"--out '{out}' is a folder; name the PNG file to write. Nothing was drawn.")
     image_bytes = 3 * config.task.image_size ** 2 * 4 * (config.task.num_frames or 1)
     if 2 * n * image_bytes > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2:
-        raise ConfigError(f"-n {n}: {n} images of {config.task.image_size} px would not fit in half of this "
+        raise SettingError(f"-n {n}: {n} images of {config.task.image_size} px would not fit in half of this "
                           f"machine's memory; draw fewer. Nothing was drawn.")
     ckpt, pipeline = checkpoint.pipeline_at(run_dir, config)
     parts = [pipeline.draw([prompt] * min(CHUNK, n - i), refine=not config.experts.generator_only,
@@ -64,5 +64,5 @@ def sample_run(run_dir: Path, config, text: str, n: int = 4, seed: int = 0, out:
         out.parent.mkdir(parents=True, exist_ok=True)
         files = write_picture(out, grid(drawn["images"], cols=min(n, 8)), config.logging.fps)
     except OSError as e:
-        raise ConfigError(f"--out '{out}': cannot write it ({e.strerror}); name a writable PNG file.") from None
+        raise SettingError(f"--out '{out}': cannot write it ({e.strerror}); name a writable PNG file.") from None
     return {"files": files, "checkpoint": ckpt, "refinements": drawn["refinements"]}

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from driver.config import Config, ConfigError, invalid, resolve_config
+from common.config import SettingError
+from driver.config import Config, invalid, resolve_config
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 CHUNK = 16  # images held in memory at once for a term without a batch_size
@@ -68,7 +69,7 @@ def term_config(source: str, overrides: list[str], name: str) -> tuple[Config, A
     elif name in BUILTINS:
         config = resolve_config(source, [*[o for o in overrides if o not in own], f"{prefix}.fn={name}", *own])
     else:
-        raise ConfigError(f"--term {name}: not a reward term of --config {source} ({', '.join(config.reward.terms)}) "
+        raise SettingError(f"--term {name}: not a reward term of --config {source} ({', '.join(config.reward.terms)}) "
                           f"nor a built-in ({', '.join(BUILTINS)}). Nothing was started.")
     return config, config.reward.terms[name]
 
@@ -80,23 +81,23 @@ def natural_key(path: Path) -> list:
 
 def image_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
-        raise ConfigError(f"--images '{folder}' is not a folder. Nothing was started.")
+        raise SettingError(f"--images '{folder}' is not a folder. Nothing was started.")
     files = sorted((p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES),
                    key=natural_key)
     if not files:
-        raise ConfigError(f"--images '{folder}' holds no PNG or JPEG images. Nothing was started.")
+        raise SettingError(f"--images '{folder}' holds no PNG or JPEG images. Nothing was started.")
     return files
 
 
 def read_image(path: Path) -> np.ndarray:
     """The image as (H, W, 3) uint8 RGB, turned upright by its EXIF orientation; a file that
-    cannot be decoded is a ConfigError naming it."""
+    cannot be decoded is a SettingError naming it."""
     from PIL import Image, ImageOps
     try:
         with Image.open(path) as image:
             return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ConfigError(f"--images: '{path}' cannot be read as an image ({type(e).__name__}: {e}). "
+        raise SettingError(f"--images: '{path}' cannot be read as an image ({type(e).__name__}: {e}). "
                           f"Nothing was started.") from None
 
 
@@ -117,16 +118,16 @@ def chunks(sizes: list[tuple[int, int]], most: int) -> list[slice]:
 
 
 def checked_inputs(config: Config, prompts_file: str, folder: Path) -> tuple[list, list[Path], list[tuple[int, int]]]:
-    """The prompts, the image files and their sizes, every one read: a ConfigError names the first
+    """The prompts, the image files and their sizes, every one read: a SettingError names the first
     file at fault, before any model loads."""
     from tasks.prompt_data import PromptDataError, load_prompts
     try:
         prompts = load_prompts(prompts_file, config.task.text_field)
     except PromptDataError as e:
-        raise ConfigError(f"--prompts: {e}. Nothing was started.") from None
+        raise SettingError(f"--prompts: {e}. Nothing was started.") from None
     files = image_files(folder)
     if len(files) != len(prompts):
-        raise ConfigError(f"--images '{folder}' holds {len(files)} images (PNG/JPEG) and --prompts '{prompts_file}' "
+        raise SettingError(f"--images '{folder}' holds {len(files)} images (PNG/JPEG) and --prompts '{prompts_file}' "
                           f"{len(prompts)} prompts: one image per prompt, paired in name order. Nothing was started.")
     sizes = [read_image(f).shape[:2] for f in files]
     return prompts, files, sizes
@@ -140,25 +141,25 @@ def score_folder(config: Config, name: str, term, prompts_file: str, folder: Pat
     from driver.preflight import hub_problems, term_problems
     from tasks.rewards.term import build_scorer
     if problems := term_problems(f"reward.terms.{name}", term) or hub_problems(term_models(name, term)):
-        raise ConfigError(invalid(problems))
+        raise SettingError(invalid(problems))
     from tasks.rewards import resolve
     if not term.needs_images():
-        raise ConfigError(f"--term {name}: {term.fn} scores the refiners' text, not images; jointrl score scores "
+        raise SettingError(f"--term {name}: {term.fn} scores the refiners' text, not images; jointrl score scores "
                           f"image terms. Nothing was started.")
     if term.takes() == "clips":
-        raise ConfigError(f"--term {name}: {term.fn} scores clips, not images; jointrl score scores image terms. "
+        raise SettingError(f"--term {name}: {term.fn} scores clips, not images; jointrl score scores image terms. "
                           f"Nothing was started.")
     if not getattr(resolve(term.fn), "prompt_files", True):
-        raise ConfigError(f"--term {name}: {term.fn} scores its task's own prompt records, not prompts read from "
+        raise SettingError(f"--term {name}: {term.fn} scores its task's own prompt records, not prompts read from "
                           f"a file. Nothing was started.")
     prompts, files, sizes = checked_inputs(config, prompts_file, folder)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # a library's chatter must not mix into --json
             scorer = build_scorer(term, device, name)  # the image term itself: its `per_frame` picks frames of clips
     except ModelLoadError as e:
-        raise ConfigError(f"{e}. Nothing was scored.") from None
+        raise SettingError(f"{e}. Nothing was scored.") from None
     except (ValueError, OSError) as e:
-        raise ConfigError(f"reward.terms.{name}: the term could not be built ({type(e).__name__}: {e}). "
+        raise SettingError(f"reward.terms.{name}: the term could not be built ({type(e).__name__}: {e}). "
                           f"Nothing was scored.") from None
     options = term.options()
     scores, strict = np.empty(len(files)), np.empty(len(files)) if hasattr(scorer, "strict") else None
@@ -170,7 +171,7 @@ def score_folder(config: Config, name: str, term, prompts_file: str, folder: Pat
             if strict is not None:
                 strict[rows] = np.asarray(scorer.strict(images, batch, [{}] * len(batch)), dtype=np.float64)
         except ValueError as e:  # a prompt the term cannot read (no quoted text, no GenEval metadata, …)
-            raise ConfigError(f"--prompts '{prompts_file}': reward.terms.{name} cannot score "
+            raise SettingError(f"--prompts '{prompts_file}': reward.terms.{name} cannot score "
                               f"{', '.join(f.name for f in files[rows])}: {e}") from None
         progress(len(batch))
     return Scored(name, term.fn, files, prompts, scores, strict)
@@ -203,7 +204,7 @@ def run_score(args) -> int:
     with tqdm(desc="jointrl score", unit="image", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         try:
             scored = score_folder(config, args.term, term, args.prompts, folder, device, bar.update)
-        except (ConfigError, KeyboardInterrupt):
+        except (SettingError, KeyboardInterrupt):
             raise
         except Exception as e:  # the term's own failure (a model error, out of memory): one line, not a trace
             print(f"jointrl score: reward.terms.{args.term} failed: {type(e).__name__}: {e}", file=sys.stderr)

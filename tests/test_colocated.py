@@ -12,8 +12,9 @@ import shutil
 import pytest
 import torch
 
+from common.config import SettingError
 from driver import cli
-from driver.config import ConfigError, resolve_config
+from driver.config import resolve_config
 from experts.offload import on_host
 
 from tests.conftest import assert_same_training, make_config, run_killing, run_training
@@ -57,11 +58,11 @@ def test_colocated_gives_the_separate_layouts_metrics_in_one_process(case, tmp_p
 
 
 def test_staleness_and_offload_outside_colocated_or_under_fsdp_are_refused_naming_the_key():
-    with pytest.raises(ConfigError, match=r"cluster.max_staleness=1 with cluster.layout=colocated"):
+    with pytest.raises(SettingError, match=r"cluster.max_staleness=1 with cluster.layout=colocated"):
         resolve_config("shapes-tiny", ["cluster.layout=colocated", "cluster.max_staleness=1"])
-    with pytest.raises(ConfigError, match=r"cluster.offload=\['optimizer'\] with cluster.layout=separate"):
+    with pytest.raises(SettingError, match=r"cluster.offload=\['optimizer'\] with cluster.layout=separate"):
         resolve_config("shapes-tiny", ["cluster.offload=[optimizer]"])
-    with pytest.raises(ConfigError, match=r"with experts.generator.parallel.strategy=fsdp"):
+    with pytest.raises(SettingError, match=r"with experts.generator.parallel.strategy=fsdp"):
         resolve_config("shapes-tiny", ["cluster.layout=colocated", "cluster.offload=[reference]",
                                        "experts.generator.parallel.ranks=2", "experts.generator.parallel.strategy=fsdp"])
     assert cli.main(["train", "--config", "shapes-tiny", "--set", "cluster.layout=colocated",

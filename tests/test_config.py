@@ -2,9 +2,10 @@
 import pytest
 import yaml
 
+from common.config import SettingError
 import driver.cli as cli
 from driver import presets
-from driver.config import ConfigError, load_config, resolve_config
+from driver.config import load_config, resolve_config
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def test_yaml_config_and_overrides_resolve(tmp_path):
 def test_bad_yaml_file_is_named(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("experts: [unclosed")
-    with pytest.raises(ConfigError, match="broken.yaml"):
+    with pytest.raises(SettingError, match="broken.yaml"):
         load_config(str(path))
 
 
@@ -130,7 +131,7 @@ def test_each_yaml_preset_loads_as_its_name(name):
 
 
 def test_unknown_config_lists_the_presets():
-    with pytest.raises(ConfigError, match="shapes-tiny") as e:
+    with pytest.raises(SettingError, match="shapes-tiny") as e:
         load_config("no-such-preset")
     assert all(name in str(e.value) for name in ("shapes", "gpu", "shapes-cluster"))
 
@@ -211,7 +212,7 @@ def test_every_preset_takes_any_number_of_refiners(name):
         explicit = name == "prompts-tiny"  # its refiners own terms of their own choosing
         if not explicit:
             assert set(cfg.owners()) == set(text)
-    with pytest.raises(ConfigError, match="refiner_1 is configured but n_refiners=1"):
+    with pytest.raises(SettingError, match="refiner_1 is configured but n_refiners=1"):
         resolve_config(name, ["experts.n_refiners=1", "experts.refiner_1.lr=0.1"])  # a --set section beyond K
 
 
@@ -221,7 +222,7 @@ def test_owns_names_no_term_under_shared_credit_without_refusal():
     ocr = "reward.terms={ocr: {fn: ocr, weight: 1}}"
     shared = resolve_config("prompts-tiny", [ocr, "algorithm.credit=shared"])  # refiner_0 owns [format] there
     assert [r.owns for r in shared.experts.refiners] == [["ocr"], ["ocr"]]
-    with pytest.raises(ConfigError, match=r"experts\.refiner_0\.owns names \['format'\], not a reward term"):
+    with pytest.raises(SettingError, match=r"experts\.refiner_0\.owns names \['format'\], not a reward term"):
         resolve_config("prompts-tiny", [ocr, "algorithm.credit=per_expert"])
     kept = resolve_config("prompts-tiny", ["algorithm.credit=shared", "experts.refiner_1.owns=[faithful, nothing]"])
     assert kept.experts.refiners[1].owns == ["faithful"]

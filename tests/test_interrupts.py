@@ -335,13 +335,13 @@ def test_a_full_disk_leaves_the_last_checkpoint_whole_and_no_temporary_folder(tm
 def test_a_step_bigger_than_the_clusters_memory_is_refused_once_connected(monkeypatch):
     import ray
 
-    from driver.config import ConfigError
+    from common.config import SettingError
     from driver.preflight import fits_cluster
     config = make_config("algorithm.group_size=64", preset="shapes-tiny")
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "memory": 2.0 ** 30})
     fits_cluster(config)  # a few MB: it fits
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "memory": 2.0 ** 20})
-    with pytest.raises(ConfigError, match="the Ray cluster has 0.0 GiB"):
+    with pytest.raises(SettingError, match="the Ray cluster has 0.0 GiB"):
         fits_cluster(config)
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import SettingError
 import common.hub as hub
 from common.hub import local_model
-from driver.config import ConfigError, load_config
+from driver.config import load_config
 from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -266,7 +267,7 @@ def test_a_cached_hub_model_or_a_hub_that_answers_passes_preflight(no_hub, monke
     cache = Path(no_hub.HF_HUB_CACHE)
     cache_model(cache, "org/processor", local_model("tiny:clip"), weights=False)  # a processor: no weights read
     cache_model(cache, "org/refiner", local_model("tiny:qwen2"), weights=False)
-    with pytest.raises(ConfigError, match=r"experts\.refiner_0\.model\.path: 'org/refiner' is neither") as refused:
+    with pytest.raises(SettingError, match=r"experts\.refiner_0\.model\.path: 'org/refiner' is neither") as refused:
         load_config("shapes-tiny", HUB_MODELS)
     assert "reward.terms.pick.processor" not in str(refused.value)
     snapshot = cache_model(cache, "org/refiner", local_model("tiny:qwen2"))

@@ -93,13 +93,14 @@ def test_a_rank_killed_mid_run_costs_time_not_correctness(runs):
 
 
 def test_more_ranks_than_samples_or_a_collective_sync_is_refused_naming_the_key():
-    from driver.config import ConfigError, resolve_config
-    with pytest.raises(ConfigError, match=r"experts.refiner_0.parallel.ranks=7 is more than the 6 samples"):
+    from common.config import SettingError
+    from driver.config import resolve_config
+    with pytest.raises(SettingError, match=r"experts.refiner_0.parallel.ranks=7 is more than the 6 samples"):
         resolve_config("shapes-tiny", ["experts.refiner_0.parallel.ranks=7"])  # 2 prompts x (4 - 1)
     resolve_config("shapes-tiny", ["experts.generator.parallel.ranks=8"])      # 2 prompts x 4
-    with pytest.raises(ConfigError, match="cluster.sync=object_store"):
+    with pytest.raises(SettingError, match="cluster.sync=object_store"):
         resolve_config("shapes-tiny", ["experts.generator.parallel.ranks=2", "cluster.sync=collective"])
-    with pytest.raises(ConfigError, match="generator.parallel.defer_gradient_sync=true is an fsdp setting"):
+    with pytest.raises(SettingError, match="generator.parallel.defer_gradient_sync=true is an fsdp setting"):
         resolve_config("shapes-tiny", ["experts.generator.parallel.ranks=2", "experts.generator.parallel.defer_gradient_sync=true"])
 
 

@@ -137,6 +137,6 @@ def test_the_gpu_presets_real_models_are_planned_alike_with_random_weights():
     assert [stand_in.expert(e).model.path for e in stand_in.experts.ids()] == \
         [f"random:{real.expert(e).model.path}" for e in real.experts.ids()]
     assert plan_for(stand_in, config_target(stand_in)).to_json() == plan_for(real, config_target(real)).to_json()
-    from driver.config import ConfigError
-    with pytest.raises(ConfigError, match="reward terms pickscore"):  # its reward model has no random stand-in
+    from common.config import SettingError
+    with pytest.raises(SettingError, match="reward terms pickscore"):  # its reward model has no random stand-in
         gpu_smoke.smoke_config("pickscore", False, 1, 80.0, 2, None, False, random=True)

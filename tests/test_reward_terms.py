@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from algorithm.batch import step_prompts
-from driver.config import ConfigError, load_config, resolve_config
+from common.config import SettingError
+from driver.config import load_config, resolve_config
 from tasks.base import Refinement, TextPrompt
 from tasks.reward_guard import FailingRewards, RewardSet
 from tasks.rewards.term import TermConfig, build_scorer
@@ -133,7 +134,7 @@ def test_a_term_that_returns_a_dict_is_an_error_naming_it():
 ])
 def test_term_options_are_checked_with_the_config(term, says):
     """A built-in's by the schema, a plug-in's by preflight: a config error naming the term either way."""
-    with pytest.raises(ConfigError, match=says) as e:
+    with pytest.raises(SettingError, match=says) as e:
         load_config("shapes", [f"reward.terms={{t: {term}}}".replace("'", ""), "experts.generator.owns=null"])
     assert "reward.terms.t" in str(e.value)
 
@@ -243,7 +244,7 @@ def test_images_per_call_is_a_key_of_a_term_with_reward_actors_and_answers_leave
     from cluster.reward_pool import on_host
     config = load_config("shapes", ["reward.terms.image.actors=2", "reward.terms.image.images_per_call=8"])
     assert config.reward.terms["image"].images_per_call == 8 and config.reward.pools()["image"][0] == 2
-    with pytest.raises(ConfigError, match=r"reward.terms.fidelity.images_per_call=8: the term is scored by each "
+    with pytest.raises(SettingError, match=r"reward.terms.fidelity.images_per_call=8: the term is scored by each "
                                           r"rollout worker"):
         load_config("shapes", ["reward.terms.fidelity.images_per_call=8"])
     out = on_host(torch.tensor([0.5, 1.0], dtype=torch.float64))

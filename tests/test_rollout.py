@@ -73,7 +73,7 @@ def test_expert_update_is_idempotent_by_step():
 
 def test_generator_starts_from_an_init_checkpoint(tmp_path):
     from driver import checkpoint
-    from driver.config import ConfigError
+    from common.config import SettingError
     trained = ExpertActor(CFG, "generator")
     worker, _ = _synced_worker()
     traj = worker.run(0, _items()).trajectories
@@ -85,7 +85,7 @@ def test_generator_starts_from_an_init_checkpoint(tmp_path):
     assert started.version == 0  # a new run's version counts from 0
     corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(ConfigError, match="experts.generator.init"):
+    with pytest.raises(SettingError, match="experts.generator.init"):
         make_config("experts.n_refiners=2", f"experts.generator.init={corrupt}", preset="shapes-tiny")
 
 

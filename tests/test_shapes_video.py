@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from driver.config import ConfigError, load_config, resolve_config
+from common.config import SettingError
+from driver.config import load_config, resolve_config
 from experts.dit import TinyDiT
 from tasks.base import to_uint8
 from tasks.rewards.base import Options
@@ -122,7 +123,7 @@ def test_the_video_dit_patches_clips_in_time_and_space_and_keeps_the_image_model
     (["task.name=shapes", "task.num_frames=null", "experts.generator.owns=null"], r"tiny_video_dit makes clips"),
 ])
 def test_a_video_config_that_cannot_work_is_refused_naming_the_key(overrides, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(SettingError, match=match):
         resolve_config("shapes-video", ["experts.base=null", *overrides])
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from driver.config import ConfigError, load_config
+from common.config import SettingError
+from driver.config import load_config
 from tests.shipped_bases import check_shipped_base
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +42,9 @@ def test_the_shipped_base_draws_the_held_out_single_objects():
 
 
 def test_a_config_the_base_does_not_fit_is_refused_naming_the_key(tmp_path):
-    with pytest.raises(ConfigError, match=r"experts\.base: .* experts\.generator\.model\.d_model 64 there, 32 here"):
+    with pytest.raises(SettingError, match=r"experts\.base: .* experts\.generator\.model\.d_model 64 there, 32 here"):
         load_config("shapes", ["experts.generator.model.d_model=32"])
-    with pytest.raises(ConfigError, match=r"refiner_1: it was made with experts\.refiner_1\.model\.d_model"):
+    with pytest.raises(SettingError, match=r"refiner_1: it was made with experts\.refiner_1\.model\.d_model"):
         load_config("shapes", ["experts.refiner_1.model.d_model=16"])
     random = load_config("shapes", ["experts.base=null"])
     assert random.experts.generator.init is None and all(r.init is None for r in random.experts.refiners)
@@ -58,19 +59,19 @@ def test_a_config_the_base_does_not_fit_is_refused_naming_the_key(tmp_path):
     manifest["made_from"]["temperature"] = 1.0
     (older / "manifest.json").write_text(json.dumps(manifest))
     older.rename(older.with_name("refiner-older"))
-    with pytest.raises(ConfigError, match=r"refiner_0: it was made with temperature 1\.0 there, not a setting here"):
+    with pytest.raises(SettingError, match=r"refiner_0: it was made with temperature 1\.0 there, not a setting here"):
         load_config("shapes", [f"experts.base={damaged}"])
     older.with_name("refiner-older").rename(older)
     weights = next(damaged.glob("base-*")) / "generator.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
-    with pytest.raises(ConfigError, match=r"experts\.generator\.init: .* \(its sha256 differs\)"):
+    with pytest.raises(SettingError, match=r"experts\.generator\.init: .* \(its sha256 differs\)"):
         load_config("shapes", [f"experts.base={damaged}"])
     (next(damaged.glob("refiner-*")) / "manifest.json").write_text("{not json")  # the nearest is the one left
-    with pytest.raises(ConfigError, match=r"experts\.generator\.model\.d_model 64 there, 32 here"):
+    with pytest.raises(SettingError, match=r"experts\.generator\.model\.d_model 64 there, 32 here"):
         load_config("shapes", [f"experts.base={damaged}", "experts.generator.model.d_model=32"])
-    with pytest.raises(ConfigError, match=r"holds no readable pretrained refiner \(for refiner_1\)"):
+    with pytest.raises(SettingError, match=r"holds no readable pretrained refiner \(for refiner_1\)"):
         load_config("shapes", [f"experts.base={damaged}", "experts.refiner_1.model.d_model=16"])
-    with pytest.raises(ConfigError, match=r"experts\.refiner_0\.init: its manifest .*manifest\.json' cannot be read"):
+    with pytest.raises(SettingError, match=r"experts\.refiner_0\.init: its manifest .*manifest\.json' cannot be read"):
         load_config("shapes", [f"experts.base={damaged}"])
 
 

@@ -12,10 +12,11 @@ import os
 import pytest
 import torch
 
+from common.config import SettingError
 import driver.cli as cli
 from algorithm.batch import Sample
 from algorithm.losses import refiner_backward
-from driver.config import ConfigError, resolve_config
+from driver.config import resolve_config
 from experts.kinds import build_model
 from experts.pipeline import refine_samples
 from experts.vllm_refiner import EngineLoadError
@@ -176,7 +177,7 @@ def test_a_run_logs_the_gap_and_inline_equals_ray(lms, ray_session, tmp_path, on
 
 @needs_vllm
 def test_a_max_model_len_too_short_for_the_prompts_is_refused(lms):
-    with pytest.raises(ConfigError, match=r"experts\.refiner_0\.vllm\.max_model_len: 12 tokens cannot hold the "
+    with pytest.raises(SettingError, match=r"experts\.refiner_0\.vllm\.max_model_len: 12 tokens cannot hold the "
                                           r"task's longest prompt \(\d+ tokens with the chat template\)"):
         engine_config(lms["qwen2"], "experts.refiner_0.vllm.max_model_len=12")
 
@@ -187,7 +188,7 @@ def test_an_architecture_the_engine_does_not_serve_is_refused(lms, tmp_path):
     folder = shutil.copytree(lms["qwen2"], tmp_path / "odd")
     meta = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**meta, "architectures": ["NoSuchModelForCausalLM"]}))
-    with pytest.raises(ConfigError, match=r"experts\.refiner_0\.model\.path: vLLM serves none of the model's "
+    with pytest.raises(SettingError, match=r"experts\.refiner_0\.model\.path: vLLM serves none of the model's "
                                           r"architectures \['NoSuchModelForCausalLM'\]"):
         engine_config(folder)
 
@@ -204,13 +205,13 @@ def test_the_engine_without_vllm_installed_is_refused_naming_the_fix(lms, monkey
 
 
 def test_the_engine_serves_hf_models_only_and_rollout_workers_only():
-    with pytest.raises(ConfigError, match=r"experts\.refiner_0\.engine=vllm serves a Hugging Face causal LM"):
+    with pytest.raises(SettingError, match=r"experts\.refiner_0\.engine=vllm serves a Hugging Face causal LM"):
         make_config("experts.refiner_0.engine=vllm")
     config = resolve_config("shapes-tiny", ["experts.n_refiners=2", "experts.refiner_defaults.engine=vllm",  # for all
                                             "experts.refiner_0.model={kind: hf_causal_lm, path: somewhere}",
                                             "experts.refiner_1.model={kind: hf_causal_lm, path: elsewhere}"])
     assert [s.engine for s in config.experts.active_refiners().values()] == ["vllm", "vllm"]
-    with pytest.raises(ConfigError, match=r"experts\.refiner_0\.engine=vllm with cluster\.layout=colocated"):
+    with pytest.raises(SettingError, match=r"experts\.refiner_0\.engine=vllm with cluster\.layout=colocated"):
         make_config("experts.n_refiners=1", "experts.refiner_0.engine=vllm", "cluster.layout=colocated",
                     "experts.refiner_0.model={kind: hf_causal_lm, path: somewhere}")
 
