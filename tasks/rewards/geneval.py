@@ -262,7 +262,8 @@ class GenEvalOptions(Options):
                                                      "fractions, no excludes); `strict` is GenEval's either way")
     thresholds: DetectorThresholds = Field(DetectorThresholds(), description="per detector, the score a detection "
                                            "must exceed; GenEval figures are comparable with published ones only "
-                                           "once these are calibrated for the detector (see the README)")
+                                           "once these are calibrated for the detector (docs/reference.md, "
+                                           "'Real tasks')")
     max_objects: int = Field(16, ge=1, description="at most this many detections per class (GenEval l.288)")
     max_overlap: float = Field(1.0, gt=0, le=1, description="a detection overlapping a more confident one of its "
                                "class by this IoU or more is dropped; 1: none is (GenEval l.289)")
