@@ -168,8 +168,7 @@ def pooled_phase(config, actors: dict, batches: dict[str, tuple], rounds: int) -
     from cluster.reward_pool import PooledTerm
     from tasks.reward_guard import RewardSet
     images, geneval, _, refinements = inputs(config)
-    sets = {label: RewardSet({t: PooledTerm([actors[t]], 0, config.cluster.max_restarts,
-                                                 wait_s=config.cluster.restart_wait_s) for t in terms}, {},
+    sets = {label: RewardSet({t: PooledTerm([actors[t]], 0, config.cluster) for t in terms}, {},
                              config.reward.timeout_s, config.reward.timeout_per_image_s)
             for label, terms in batches.items()}
     times = {label: [] for label in sets}

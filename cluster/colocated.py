@@ -100,8 +100,7 @@ class ColocatedRollouts:
                 experts.restore(e)
                 calls = submit()
             return fetch(calls), calls
-        out, faults = survive(attempt, lambda: experts.wait_alive(e), self.config.cluster.max_restarts,
-                              wait_s=self.config.cluster.restart_wait_s,
+        out, faults = survive(attempt, lambda: experts.wait_alive(e), self.config.cluster,
                               lost=(GangBroken, StaleExpert))
         self.faults.expert_restarts += faults
         return out

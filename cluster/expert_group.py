@@ -59,8 +59,7 @@ class ExpertGroup:
             else:
                 gang.start()
             return self.take_snapshot(e)
-        snapshot, faults = survive(attempt, gang.wait_alive, self.config.cluster.max_restarts,
-                                   wait_s=self.config.cluster.restart_wait_s,
+        snapshot, faults = survive(attempt, gang.wait_alive, self.config.cluster,
                                    lost=(SnapshotLost, GangBroken))
         self.faults.expert_restarts += faults
         return snapshot
@@ -103,8 +102,7 @@ class ExpertGroup:
             get([self.sync.registrations.remote(), *[w.version_vector.remote() for w in self.workers]])
         if not releases:
             return SyncResult(0.0, None if self.workers else "none", None)
-        out, faults = survive(attempt, alive, self.config.cluster.max_restarts,
-                              wait_s=self.config.cluster.restart_wait_s)
+        out, faults = survive(attempt, alive, self.config.cluster)
         self.faults.sync_restarts += faults
         self.faults.sync_fallbacks += out.fallback is not None
         self.published.update(releases)
@@ -148,8 +146,7 @@ class ExpertGroup:
                     raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
                 return result, self.keep(snapshot, e)
             (stats[e], self.snapshots[e]), faults = survive(attempt, lambda e=e: self.restore(e),
-                                                            self.config.cluster.max_restarts,
-                                                            wait_s=self.config.cluster.restart_wait_s,
+                                                            self.config.cluster,
                                                             lost=(StaleExpert, SnapshotLost))
             self.faults.expert_restarts += faults
             self.versions[e] = stats[e]["version"]
@@ -168,8 +165,7 @@ class ExpertGroup:
         """Every gang of `expert_ids` with a restarted rank restored before anything is asked of it."""
         for e in expert_ids:
             _, faults = survive(lambda first, e=e: self.gangs[e].check(), lambda e=e: self.restore(e),
-                                self.config.cluster.max_restarts,
-                                wait_s=self.config.cluster.restart_wait_s, lost=(GangBroken,))
+                                self.config.cluster, lost=(GangBroken,))
             self.faults.expert_restarts += faults
 
     def saved_snapshots(self) -> dict[str, Snapshot]:
@@ -185,8 +181,7 @@ class ExpertGroup:
         a rank lost meanwhile, the gang is restored from its latest snapshot (the state being saved)
         and writes it again."""
         files, faults = survive(lambda first: self.gangs[e].optimizer_files(),
-                                lambda: self.gangs[e].restore(*self.snapshots[e]), self.config.cluster.max_restarts,
-                                wait_s=self.config.cluster.restart_wait_s,
+                                lambda: self.gangs[e].restore(*self.snapshots[e]), self.config.cluster,
                                 lost=(GangBroken,))
         self.faults.expert_restarts += faults
         return files

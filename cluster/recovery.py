@@ -94,11 +94,13 @@ def failed_to_start(error: BaseException) -> bool:
     return isinstance(error, RayActorError) and error.actor_init_failed
 
 
-def survive(attempt, recover, attempts: int, *, wait_s: float, lost: tuple = ()):
+def survive(attempt, recover, restarts, lost: tuple = ()):
     """`attempt(first)` fetches (and, when not `first`, first resubmits) a call's result. If its
     actor died, or the result shows one of `lost`, `recover()` (waiting out Ray's restart, up to
-    `wait_s` seconds: cluster.restart_wait_s) and attempt again, up to `attempts` times; an actor
-    that failed in its constructor is not waited for. Returns (value, faults survived)."""
+    `restarts.restart_wait_s` seconds) and attempt again, up to `restarts.max_restarts` times
+    (`restarts`: the config's cluster section); an actor that failed in its constructor is not
+    waited for. Returns (value, faults survived)."""
+    attempts, wait_s = restarts.max_restarts, restarts.restart_wait_s
     faults = 0
     while True:
         try:

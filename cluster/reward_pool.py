@@ -69,8 +69,8 @@ def pooled_scorers(config, members, index: int, who: str) -> dict[str, "PooledTe
     if pools and members is None:
         raise ValueError(f"{who}: reward.terms {sorted(pools)} are scored by reward actors; it needs the run's "
                          f"members to find them")
-    return {term: PooledTerm([members(name) for name in names], index, config.cluster.max_restarts,
-                             config.reward.terms[term].images_per_call, wait_s=config.cluster.restart_wait_s)
+    return {term: PooledTerm([members(name) for name in names], index, config.cluster,
+                             config.reward.terms[term].images_per_call)
             for term, names in pools.items()}
 
 
@@ -79,11 +79,9 @@ class PooledTerm:
     (None: one call), each to the pool's next actor, all at once; the worker's first call goes to
     the actor of its own index, so that workers spread over the pool."""
 
-    def __init__(self, actors: list, first: int, attempts: int, images_per_call: int | None = None, *,
-                 wait_s: float):
-        """`attempts` and `wait_s`: cluster.max_restarts and cluster.restart_wait_s."""
-        self.actors, self.turn, self.attempts, self.images_per_call = actors, first, attempts, images_per_call
-        self.wait_s = wait_s
+    def __init__(self, actors: list, first: int, restarts, images_per_call: int | None = None):
+        """`restarts`: the config's cluster section (how often and how long an actor is waited for)."""
+        self.actors, self.turn, self.restarts, self.images_per_call = actors, first, restarts, images_per_call
 
     def __call__(self, images, prompts, refinements):
         return self.ask("score", images, prompts, refinements)
@@ -111,8 +109,7 @@ class PooledTerm:
             try:
                 values, _ = survive(lambda first, actor=actor, args=args, call=call:
                                     get(call if first else getattr(actor, method).remote(*args)),
-                                    lambda actor=actor: get(actor.ready.remote()), self.attempts,
-                                    wait_s=self.wait_s)
+                                    lambda actor=actor: get(actor.ready.remote()), self.restarts)
             except RayActorError as error:  # one that Ray restarted could not start again: said in one line
                 if (failed := start_failure(error)) is None:
                     raise

@@ -123,8 +123,7 @@ class RolloutPool:
             def reload(worker=worker):
                 self.reloaded = True
                 get([worker.load_weights.remote(e, *release) for e, release in rollout.weights.items()])
-            meta, faults = survive(attempt, reload, self.config.cluster.max_restarts,
-                                   wait_s=self.config.cluster.restart_wait_s, lost=(NotSynced,))
+            meta, faults = survive(attempt, reload, self.config.cluster, lost=(NotSynced,))
             self.faults.worker_restarts += faults
             metas.append(meta)
         rollout.meta = RolloutMeta.join(metas)

@@ -11,7 +11,7 @@ import torch
 
 from algorithm.batch import step_prompts
 from common.config import SettingError
-from driver.config import load_config, resolve_config
+from driver.config import ClusterConfig, load_config, resolve_config
 from tasks.base import Refinement, TextPrompt
 from tasks.reward_guard import FailingRewards, RewardSet
 from tasks.rewards.term import TermConfig, build_scorer
@@ -226,14 +226,14 @@ def test_a_pooled_term_sends_its_batch_in_calls_of_images_per_call_to_the_actors
     from cluster.reward_pool import PooledTerm
     from cluster.runtime import InlineHandle
     calls = []
-    term = PooledTerm([InlineHandle(Scorer(k, calls)) for k in "ab"], first=1, attempts=0, images_per_call=3,
-                      wait_s=1)
+    term = PooledTerm([InlineHandle(Scorer(k, calls)) for k in "ab"], first=1, restarts=ClusterConfig(max_restarts=0),
+                      images_per_call=3)
     prompts = [TextPrompt(str(i)) for i in range(7)]
     np.testing.assert_array_equal(term(np.zeros((7, 3, 4, 4)), prompts, [{}] * 7), np.arange(7.0))
     assert calls == [("b", ["0", "1", "2"]), ("a", ["3", "4", "5"]), ("b", ["6"])]
     calls.clear()
-    whole = PooledTerm([InlineHandle(Scorer("a", calls))], first=0, attempts=0,
-                       wait_s=1)  # the whole batch in one call
+    whole = PooledTerm([InlineHandle(Scorer("a", calls))], first=0,
+                       restarts=ClusterConfig(max_restarts=0))  # the whole batch in one call
     whole(np.zeros((7, 3, 4, 4)), prompts, [{}] * 7)
     assert calls == [("a", [p.text for p in prompts])]
 

@@ -84,6 +84,7 @@ def test_a_builtin_per_frame_is_its_image_score_averaged_over_the_frames():
 
 def test_a_pool_of_reward_actors_is_sent_the_chosen_frames_only():
     from cluster.reward_pool import PooledTerm
+    from driver.config import ClusterConfig
     from cluster.runtime import InlineHandle
 
     class Actor:
@@ -97,8 +98,8 @@ def test_a_pool_of_reward_actors_is_sent_the_chosen_frames_only():
             return 0
     actor = Actor()
     term = TermConfig(fn="clip_score", per_frame={"frames": 2, "reduce": "min"})
-    pooled = sample_scorer(term, PooledTerm([InlineHandle(actor)], first=0, attempts=0, images_per_call=4,
-                                            wait_s=1))
+    pooled = sample_scorer(term, PooledTerm([InlineHandle(actor)], first=0, restarts=ClusterConfig(max_restarts=0),
+                                            images_per_call=4))
     batch = clips(b=3, f=6)
     scored = pooled(batch, prompts(3), [{}] * 3)
     assert [shape for shape, _, _ in actor.inner.calls] == [(4, 3, 24, 24), (2, 3, 24, 24)]  # 6 frames, by 4
