@@ -198,7 +198,7 @@ def main() -> int:
     name = args.name or ("settings-quick" if args.quick else "settings")
     flags = (f" --seeds {seeds}" if args.seeds else "") + (
         f" --settings {' '.join(args.settings)}" if args.settings != list(SETTINGS) else "") + (
-        f" --methods {' '.join(methods)}" if methods != list(COMPARED) else "")
+        f" --methods {' '.join(methods[1:])}" if methods != list(COMPARED) else "")  # the joint ones, as given
     meta = {"quick": args.quick, "flags": flags, "date": time.strftime("%Y-%m-%d"), "reused": reused,
             "minutes": (time.perf_counter() - start) / 60, "runs": len(jobs), "seeds": seeds,
             "steps": config.trainer.steps, "per_step": config.trainer.prompts_per_step * config.algorithm.group_size,
