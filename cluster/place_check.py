@@ -7,7 +7,8 @@ one placeholder actor per planned actor is scheduled with the options the run's 
 (`ray.get_gpu_ids()`) and which of the GPU actors' environment variables it holds
 (cluster/runtime.py `GPU_ENV`: the placeholders are spawned as the run's actors are). Ray needs no
 GPU for this: a Ray that declares GPUs (`ray start --head --num-gpus 8`, or the private local Ray
-started here declaring the target's) assigns ids all the same. Everything is released before returning, whatever happened.
+started here declaring the target's) assigns ids all the same. Everything is released before
+returning, whatever happened.
 """
 from __future__ import annotations
 

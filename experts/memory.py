@@ -377,7 +377,7 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
     image_tokens = transformer_image_tokens(family, latent_shape)
     return GeneratorArchitecture(family, size, largest, lora, per_transformer,
                                  {name: count(part) for name, part in built.items()},
-                                 {name: torch.tensor([], dtype=d).element_size() for name, d in widths.items()},
+                                 {name: d.itemsize for name, d in widths.items()},
                                  latent_shape,
                                  image_tokens, text_tokens, one.kept, one.working_set, decode, features)
 
