@@ -12,6 +12,7 @@ processes die with the command (Ray's fate sharing) whatever the mask.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ from ray._private import ray_constants
 
 
 def connect(address: str | None, num_cpus: int | None = None, log_file: Path | None = None,
-            num_gpus: int | None = None) -> None:
+            num_gpus: int | None = None, temp_dir: str | None = None, spill_dir: str | None = None) -> None:
     """Attach to `address` (or RAY_ADDRESS, as under `ray job submit`), else start Ray locally.
 
     A local Ray binds to 127.0.0.1 and runs without the dashboard; token authentication stays
@@ -32,6 +33,8 @@ def connect(address: str | None, num_cpus: int | None = None, log_file: Path | N
     notice) go there instead of the terminal, and the actors' output stays in Ray's session logs
     (a failure still reaches the caller as an exception). `num_gpus`: the GPUs a local Ray declares
     (it does not look for them: `jointrl plan --place` checks a placement on a machine without any).
+    `temp_dir`, `spill_dir`: a local Ray's session folder and where it spills objects (a cluster
+    joined at an address keeps what its `ray start` set).
     The caller's signal handlers are kept (a local Ray would install its own for SIGTERM).
     """
     if ray.is_initialized():
@@ -53,13 +56,27 @@ def connect(address: str | None, num_cpus: int | None = None, log_file: Path | N
             ray.init(address=address, namespace="jointrl", **quiet)
         else:
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                     namespace="jointrl", _node_ip_address="127.0.0.1", **quiet)
+                     namespace="jointrl", _node_ip_address="127.0.0.1", **local_folders(temp_dir, spill_dir), **quiet)
     if to_file:
         only_to(logging.getLogger("ray"), to_file)
         node = getattr(ray._private.worker, "_global_node", None)  # Ray has no public name for the folder
         if node is not None:
             logging.getLogger("ray").info("Ray's session logs (the actors' output): %s", node.get_logs_dir_path())
     tighten_token_file()
+
+
+def local_folders(temp_dir: str | None, spill_dir: str | None) -> dict:
+    """ray.init's arguments for a local Ray's session folder and its spill folder (absolute, made
+    if absent: Ray takes them as they are)."""
+    folders = {}
+    if temp_dir:
+        folders["_temp_dir"] = str(Path(temp_dir).expanduser().resolve())
+    if spill_dir:
+        where = Path(spill_dir).expanduser().resolve()
+        where.mkdir(parents=True, exist_ok=True)
+        folders["_system_config"] = {"object_spilling_config": json.dumps(
+            {"type": "filesystem", "params": {"directory_path": str(where)}})}
+    return folders
 
 
 SHIELDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)

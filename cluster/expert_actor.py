@@ -19,6 +19,7 @@ from cluster.runtime import Members
 from cluster.startup import reports_start
 from experts.devices import actor_device
 from experts.expert import Expert, StaleExpert
+from experts.records import ShardFiles
 from experts.weights import synced_state, travel_form
 
 
@@ -63,3 +64,9 @@ class ExpertActor(Expert, BroadcastMember):
     def node(self) -> str | None:
         """The Ray node this expert runs on now (it may move when Ray restarts it)."""
         return this_node()
+
+    def optimizer_files(self, into: str | None = None, writer_node: str | None = None) -> ShardFiles:
+        """`Expert.optimizer_files`: straight into the checkpoint's folder `into` where this rank
+        runs on the node of the checkpoint's writer (`writer_node`), else handed over through the
+        object store."""
+        return Expert.optimizer_files(self, into if writer_node == this_node() else None)

@@ -94,11 +94,12 @@ class ExpertGang:
             optimizer = ShardedOptimizer([call[1] for call in calls])
         return Snapshot(weights, optimizer, info), [call[2] for call in calls[1:]]
 
-    def optimizer_files(self) -> list[ShardFiles]:
-        """A sharded gang's optimizer state as every rank writes it for a checkpoint: each rank's
-        ShardFiles as ObjectRefs (its files stay in the object store for the checkpoint's writer),
-        returned once every rank has written them (raising what a rank raised)."""
-        parts = [ShardFiles(*r.optimizer_files.options(num_returns=2).remote()) for r in self.ranks]
+    def optimizer_files(self, into: str, writer_node: str | None) -> list[ShardFiles]:
+        """A sharded gang's optimizer state as every rank writes it for a checkpoint (into the
+        checkpoint's folder `into` where a rank shares the writer's node, else into the object
+        store): each rank's ShardFiles as ObjectRefs, returned once every rank has written them
+        (raising what a rank raised)."""
+        parts = [ShardFiles(*r.optimizer_files.options(num_returns=2).remote(into, writer_node)) for r in self.ranks]
         get([part.param_groups for part in parts])
         return parts
 

@@ -11,17 +11,20 @@ every published version again.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from ray.exceptions import ObjectLostError
 
 from algorithm.credit import Advantages
 from cluster.expert_actor import ExpertActor
 from cluster.expert_gang import ExpertGang
-from cluster.recovery import FaultCounts, RolloutLost, SnapshotLost, keep_here, survive
+from cluster.recovery import FaultCounts, RolloutLost, SnapshotLost, keep_here, survive, this_node
 from cluster.runtime import Runtime, get
 from cluster.weight_sync import SyncResult, WeightSyncActor
 from experts.expert import GangBroken, StaleExpert
 from experts.kinds import expert_kind
 from experts.records import Release, ShardedOptimizer, ShardFiles, Snapshot
+from experts.state_file import SHARDS
 
 
 class ExpertGroup:
@@ -168,19 +171,20 @@ class ExpertGroup:
                                 self.config.cluster, lost=(GangBroken,))
             self.faults.expert_restarts += faults
 
-    def saved_snapshots(self) -> dict[str, Snapshot]:
-        """Every expert's latest snapshot as ObjectRefs, for a checkpoint's writer to fetch; a sharded
-        expert's optimizer as its ranks write it (they hold that snapshot's state: checkpoints come
-        between steps), a list of each rank's ShardFiles."""
-        return {e: Snapshot(s.weights, self.optimizer_files(e) if isinstance(s.optimizer, ShardedOptimizer)
-                            else s.optimizer, s.info)
+    def saved_snapshots(self, staging: Path) -> dict[str, Snapshot]:
+        """Every expert's latest snapshot as ObjectRefs, for a checkpoint's writer (on this node) to
+        fetch; a sharded expert's optimizer as its ranks write it (they hold that snapshot's state:
+        checkpoints come between steps), a list of each rank's ShardFiles, its files written
+        straight into the checkpoint's temporary folder `staging` by the ranks on this node."""
+        return {e: Snapshot(s.weights, self.optimizer_files(e, staging / f"{e}{SHARDS}")
+                            if isinstance(s.optimizer, ShardedOptimizer) else s.optimizer, s.info)
                 for e, s in self.snapshots.items()}
 
-    def optimizer_files(self, e: str) -> list[ShardFiles]:
+    def optimizer_files(self, e: str, into: Path) -> list[ShardFiles]:
         """Sharded expert `e`'s optimizer state as its ranks write it (`ExpertGang.optimizer_files`);
         a rank lost meanwhile, the gang is restored from its latest snapshot (the state being saved)
         and writes it again."""
-        files, faults = survive(lambda first: self.gangs[e].optimizer_files(),
+        files, faults = survive(lambda first: self.gangs[e].optimizer_files(str(into), this_node()),
                                 lambda: self.gangs[e].restore(*self.snapshots[e]), self.config.cluster,
                                 lost=(GangBroken,))
         self.faults.expert_restarts += faults

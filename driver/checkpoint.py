@@ -11,7 +11,6 @@ temporary folder and renamed into place, so it is whole or absent; the last
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from contextlib import contextmanager
@@ -32,12 +31,14 @@ class CheckpointError(SettingError):
 
 
 @contextmanager
-def atomic_dir(final: Path):
-    """Yield a temporary folder beside `final`; once the block succeeds it replaces `final`."""
+def atomic_dir(final: Path, staged: bool = False):
+    """Yield a temporary folder beside `final` (made afresh, or as `staging` made it already and
+    filled in part: `staged`); once the block succeeds it replaces `final`."""
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
+        if not staged:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
         yield tmp
     except BaseException:  # a full disk, an interrupt: no half-written folder is left behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -46,29 +47,35 @@ def atomic_dir(final: Path):
     tmp.rename(final)
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def staging(run_dir: Path, step: int) -> Path:
+    """Checkpoint `step`'s temporary folder, made afresh, for the ranks of sharded experts to write
+    their optimizer shards into before `save(..., staged=True)` writes the rest and renames it."""
+    tmp = checkpoint_path(run_dir, step).with_name(checkpoint_path(run_dir, step).name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0,
-         in_flight: dict[int, dict[str, tuple]] | None = None) -> Path:
+         in_flight: dict[int, dict[str, tuple]] | None = None, staged: bool = False) -> Path:
     """Write checkpoint `step` (the driver resumes at this step) from each expert's snapshot and
-    the rollouts in flight's older weights
-    ({step: {expert: (version, weights)}}), and prune to the last `keep`."""
+    the rollouts in flight's older weights ({step: {expert: (version, weights)}}), into the
+    temporary folder `staging` made if `staged`, else into a fresh one; prune to the last `keep`.
+    Each file is hashed as it is written (`state_file.write`), none is read back."""
     final = checkpoint_path(run_dir, step)
     in_flight = in_flight or {}
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, staged) as tmp:
+        files = {}
         for eid, snapshot in snapshots.items():
-            state_file.write(tmp, eid, *snapshot)
+            files.update(state_file.write(tmp, eid, *snapshot))
         for older in in_flight.values():
             for eid, (version, weights) in older.items():
-                if not (tmp / f"{eid}.v{version}.safetensors").exists():
-                    state_file.write(tmp, f"{eid}.v{version}", weights, None, ExpertInfo(version, -1))
-        files = {str(p.relative_to(tmp)): sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+                if f"{eid}.v{version}.safetensors" not in files:
+                    files.update(state_file.write(tmp, f"{eid}.v{version}", weights, None, ExpertInfo(version, -1)))
         (tmp / "manifest.json").write_text(json.dumps(
             {"step": step, "versions": {e: s.info.version for e, s in snapshots.items()},
              "in_flight": {str(s): {e: v for e, (v, _) in older.items()} for s, older in in_flight.items()},
-             "files": files}, indent=1))
+             "files": dict(sorted(files.items()))}, indent=1))
     if keep:
         for old in all_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
@@ -76,24 +83,25 @@ def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0
 
 
 def save_fetched(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0,
-                 in_flight: dict[int, dict[str, tuple]] | None = None) -> Path:
+                 in_flight: dict[int, dict[str, tuple]] | None = None, staged: bool = False) -> Path:
     """`save`, given its arrays as ObjectRefs: each expert's snapshot (a sharded expert's optimizer
     as its ranks' ShardFiles) and the in-flight weights, fetched here. The driver has this run on
     its node as a task of its own (the run directory is the one the user named), so it forwards
-    references and never deserializes what they hold."""
+    references and never deserializes what they hold. Arrays come out of the object store as
+    views of it, and are written from there."""
     fetched = {}
     for eid, snapshot in snapshots.items():
         optimizer = snapshot.optimizer
         if isinstance(optimizer, list):  # every rank's ShardFiles, as one
             parts = [ShardFiles(*get([part.files, part.param_groups])) for part in optimizer]
-            optimizer = ShardFiles({name: data for part in parts for name, data in part.files.items()},
+            optimizer = ShardFiles({name: held for part in parts for name, held in part.files.items()},
                                    parts[0].param_groups)
         else:
             optimizer = get(optimizer)
         fetched[eid] = Snapshot(get(snapshot.weights), optimizer, get(snapshot.info))
     older = {s: {eid: (version, get(weights)) for eid, (version, weights) in entries.items()}
              for s, entries in (in_flight or {}).items()}
-    return save(run_dir, step, fetched, keep, older)
+    return save(run_dir, step, fetched, keep, older, staged)
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -131,7 +139,7 @@ def manifest(ckpt: Path) -> dict:
                               f"or from an older jointrl. Nothing was started.") from None
     for name, digest in files.items():
         path = ckpt / name
-        if not path.is_file() or sha256(path) != digest:
+        if not path.is_file() or state_file.sha256(path) != digest:
             raise CheckpointError(f"checkpoint file '{path}' is {'missing' if not path.is_file() else 'corrupt'} "
                                   f"(its sha256 does not match manifest.json). Nothing was started; resume "
                                   f"from an earlier checkpoint by removing this one.")

@@ -231,7 +231,8 @@ def train(config: Config, run_dir: Path, interrupts, resume: Path | None = None)
             driver = start_driver(config, run_dir, resume)
             interrupts.forward(driver.instance.stop)
             return driver.instance.run(on_row=progress)
-        connect_to(config.cluster.address, None if config.logging.ray_verbose else run_dir / "ray.log")
+        connect_to(config.cluster.address, None if config.logging.ray_verbose else run_dir / "ray.log",
+                   config.cluster)
         if interrupts.requested:
             return not_started
         fits_cluster(config)
@@ -275,12 +276,14 @@ def follow_on_ray(driver, interrupts, progress: Progress) -> dict:
             stop_driver(driver)
 
 
-def connect_to(address: str | None, log_file: Path | None = None) -> None:
-    """Ray (its own lines to `log_file` if given), or a SettingError naming the address and what a
-    token-authenticated cluster needs."""
+def connect_to(address: str | None, log_file: Path | None = None, cluster=None) -> None:
+    """Ray (its own lines to `log_file` if given; a local one in the `cluster` section's temp_dir
+    and spill_dir), or a SettingError naming the address and what a token-authenticated cluster
+    needs."""
     from cluster.connect import connect
+    folders = {"temp_dir": cluster.temp_dir, "spill_dir": cluster.spill_dir} if cluster else {}
     try:
-        connect(address, log_file=log_file)
+        connect(address, log_file=log_file, **folders)
     except ConnectionError as e:
         raise SettingError(f"cannot connect to the Ray cluster at cluster.address={address!r} ({e}); a cluster "
                           f"with token authentication needs RAY_AUTH_MODE=token in this client's environment "

@@ -274,6 +274,27 @@ class ClusterConfig(Strict):
     restart_wait_s: PositiveFloat = Field(600.0, description="seconds the driver waits for Ray to restart a dead "
                                                              "actor (a restarted expert loads its model again, "
                                                              "minutes for a large one); then the run stops")
+    temp_dir: str | None = Field(None, description="a local Ray's session folder (its logs, sockets and, unless "
+                                                   "spill_dir says otherwise, the objects it spills) and every "
+                                                   "expert rank's scratch for the optimizer shards it hands to a "
+                                                   "checkpoint's writer on another node; None: the system's (/tmp). "
+                                                   "A cluster joined at an address keeps its `ray start --temp-dir`")
+    spill_dir: str | None = Field(None, description="where a local Ray spills the objects its object store cannot "
+                                                    "hold (a checkpoint of a large full fine-tune passes through "
+                                                    "it); None: in its session folder. A cluster joined at an "
+                                                    "address keeps its `ray start --system-config`")
+
+    @model_validator(mode="after")
+    def _sockets_fit_temp_dir(self):
+        """Ray keeps its sockets in the session folder under temp_dir, as
+        `<temp_dir>/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store`, and a Unix
+        socket's path has at most 107 bytes: the folder's absolute path has at most 107 - 64."""
+        if self.temp_dir is not None and len(str(Path(self.temp_dir).expanduser().resolve()).encode()) > 43:
+            where = Path(self.temp_dir).expanduser().resolve()
+            raise ValueError(f"cluster.temp_dir={self.temp_dir!r} ({where}, {len(str(where).encode())} bytes) is too "
+                             f"long: Ray's sockets live under it and a socket's path has at most 107 bytes, which "
+                             f"leaves 43 for the folder (e.g. /scratch/ray)")
+        return self
 
     @property
     def workers(self) -> int:

@@ -9,6 +9,7 @@ rollout pool (cluster/), which share one fault counter.
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -113,10 +114,17 @@ class DriverActor:
 
     def save_checkpoint(self, step: int) -> Path:
         """Every expert's snapshot, plus the older weights the rollouts in flight were made with,
-        written by a task on this node from the references the driver holds."""
-        return run_here(self.config.cluster.mode, checkpoint.save_fetched, self.run_dir, step,
-                        self.experts.saved_snapshots(), keep=self.config.trainer.keep_checkpoints,
-                        in_flight=self.rollouts.older_weights(self.experts.versions))
+        written by a task on this node from the references the driver holds (the ranks of a
+        sharded expert on this node write their optimizer shards into the folder themselves)."""
+        staging = checkpoint.staging(self.run_dir, step)
+        try:
+            snapshots = self.experts.saved_snapshots(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return run_here(self.config.cluster.mode, checkpoint.save_fetched, self.run_dir, step, snapshots,
+                        keep=self.config.trainer.keep_checkpoints,
+                        in_flight=self.rollouts.older_weights(self.experts.versions), staged=True)
 
     def run(self, on_row=None) -> dict:
         """Train until `trainer.steps`, or until `stop()` was asked, or until the reward failed on

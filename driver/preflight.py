@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from common.config import SettingError
 from common.hub import BUILDERS, RANDOM, TINY, is_random, is_tiny
-from driver.checkpoint import sha256
+from experts.state_file import sha256
 from driver.config import invalid
 from driver.overrides import flat
 from experts.families import FAMILIES, VIDEO

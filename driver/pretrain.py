@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from common.seeding import derive_seed
 from driver.bases import base_dir, base_shaping, caption_details, digest, refiner_dir, refiner_shaping
-from driver.checkpoint import atomic_dir, sha256
+from driver.checkpoint import atomic_dir
 from experts import state_file
 from experts.frontend import build_text_encoder
 from experts.kinds import build_model
@@ -209,7 +209,7 @@ def save_base(out: Path, models: dict, manifest: dict) -> None:
     """Written like a checkpoint (temporary folder, then renamed, a sha256 per file in
     manifest.json): a base is whole or absent."""
     with atomic_dir(out) as tmp:
+        files = {}
         for name, model in models.items():
-            state_file.write(tmp, name, {k: v.numpy() for k, v in model.state_dict().items()})
-        files = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / "manifest.json").write_text(json.dumps({**manifest, "files": files}, indent=1))
+            files.update(state_file.write(tmp, name, {k: v.numpy() for k, v in model.state_dict().items()}))
+        (tmp / "manifest.json").write_text(json.dumps({**manifest, "files": dict(sorted(files.items()))}, indent=1))

@@ -12,6 +12,7 @@ what it trains in fp32 and computes in its own dtype (experts/precision.py).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -145,11 +146,15 @@ class Expert:
         shards of them under fsdp)."""
         return parallel.held_bytes(self.model, self.optimizer)
 
-    def optimizer_files(self) -> ShardFiles:
+    def optimizer_files(self, into: str | None = None) -> ShardFiles:
         """This rank's shards of the optimizer state as checkpoint files (a collective: every rank
-        of a sharded expert calls it), with the optimizer's hyper-parameters."""
+        of a sharded expert calls it), with the optimizer's hyper-parameters: written into `into`
+        (the checkpoint's folder of them, where this process can reach it) or else handed over
+        (`state_file.write_shards`)."""
         with self.among_peers("a checkpoint"):
-            return ShardFiles(state_file.write_shards(self.optimizer), self.optimizer.state_dict()["param_groups"])
+            files = state_file.write_shards(self.optimizer, None if into is None else Path(into),
+                                            self.config.cluster.temp_dir)
+            return ShardFiles(files, self.optimizer.state_dict()["param_groups"])
 
     def refine(self, step: int, version: int, samples: list) -> tuple[list, dict]:
         """A refiner's refinement of its share of a step's refined samples, with the weights it

@@ -44,6 +44,7 @@ class ShardedOptimizer(NamedTuple):
 
 class ShardFiles(NamedTuple):
     """A sharded expert's optimizer state as every rank wrote it with torch.distributed.checkpoint
-    ({file name: bytes}), with the optimizer's hyper-parameters (its param_groups)."""
+    ({file name: the sha256 of a file written into the checkpoint already, or its bytes}), with the
+    optimizer's hyper-parameters (its param_groups)."""
     files: dict
     param_groups: list

@@ -6,52 +6,156 @@ hyper-parameters. A sharded (fsdp) expert's optimizer tensors are instead in `<i
 one safetensors file per rank with each shard's offsets, as torch.distributed.checkpoint's
 Hugging Face storage writes them; they are read back whole, for any number of ranks. Nothing is
 ever loaded through pickle.
+
+Files are written one tensor at a time from the memory the tensor already has, and hashed as they
+are written (`write_safetensors`): safetensors' own `save_file` first serialises every tensor into
+a copy of the whole, which for a full fine-tune of a large model is tens of GB more than the
+snapshot itself, and a sha256 computed afterwards would read each file back.
 """
 from __future__ import annotations
 
-import errno
+import hashlib
 import json
-import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from experts.records import ExpertInfo, ShardFiles, Snapshot
-from experts.weights import optimizer_tensors
 
 SHARDS = ".optimizer"  # the folder of a sharded expert's optimizer state: <id>.optimizer/
+CHUNK = 64 << 20  # bytes written (and hashed) at a time
+# safetensors' dtype names (its format's specification), for the tensors' torch and numpy dtypes
+TORCH_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+# the order in which safetensors lays tensors out (its Dtype enumeration, largest first): every
+# tensor starts aligned, and a file is byte for byte what its own writer writes
+LAYOUT = ["U64", "I64", "F64", "U32", "F32", "I32", "BF16", "F16", "U16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8",
+          "BOOL"]
+NUMPY_DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+                np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16",
+                np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
 
 
 def write(folder: Path, expert_id: str, weights: dict, optimizer: dict | ShardFiles | None = None,
-          info: ExpertInfo | None = None) -> None:
+          info: ExpertInfo | None = None) -> dict[str, str]:
     """An expert's snapshot (`Expert.snapshot`): weights {name: array}, an optimizer state_dict (its
     tensors as they are, or as `optimizer_arrays` made them travel; or a sharded expert's ShardFiles)
-    or None, and its ExpertInfo (a pretrained base has none)."""
-    tensors = {f"weights.{k}": torch.tensor(np.asarray(v)).contiguous() for k, v in weights.items()}
+    or None, and its ExpertInfo (a pretrained base has none). Returns {file, relative to `folder`:
+    sha256} of every file of the expert's, a sharded optimizer's files included."""
+    tensors = {f"weights.{k}": v for k, v in weights.items()}
+    hashes = {}
     if isinstance(optimizer, ShardFiles):
-        shards = folder / f"{expert_id}{SHARDS}"
-        shards.mkdir()
-        for name, data in optimizer.files.items():
-            (shards / name).write_bytes(data)
+        hashes.update(write_shard_files(folder, f"{expert_id}{SHARDS}", optimizer.files))
         optimizer = {"state": {}, "param_groups": optimizer.param_groups}
-    opt = optimizer_tensors(optimizer) or {"state": {}, "param_groups": []}
-    for pid, entries in opt["state"].items():
+    optimizer = optimizer or {"state": {}, "param_groups": []}
+    bfloat16 = set(optimizer.get("bfloat16", ()))  # travelled as 16-bit words (experts/weights.py)
+    dtypes = {}
+    for pid, entries in optimizer["state"].items():
         for key, value in entries.items():
-            tensors[f"optimizer.{pid}.{key}"] = torch.as_tensor(value).clone().contiguous()
-    path = folder / f"{expert_id}.safetensors"
-    try:
-        save_file(tensors, str(path))
-    except SafetensorError as e:  # it reports a full disk in its own error type: say it as the OS does
-        code = errno.ENOSPC if "No space left" in str(e) else errno.EIO
-        raise OSError(code, os.strerror(code), str(path)) from e
+            name = f"optimizer.{pid}.{key}"
+            tensors[name] = value if isinstance(value, (np.ndarray, torch.Tensor)) else np.asarray(value)
+            if f"{pid}.{key}" in bfloat16:
+                dtypes[name] = "BF16"
+    hashes[f"{expert_id}.safetensors"] = write_safetensors(folder / f"{expert_id}.safetensors", tensors, dtypes)
     info = info or ExpertInfo(0, -1)
-    meta = {"version": info.version, "last_step": info.last_step, "param_groups": opt["param_groups"]}
-    (folder / f"{expert_id}.json").write_text(json.dumps(meta, indent=1))
+    meta = json.dumps({"version": info.version, "last_step": info.last_step,
+                       "param_groups": optimizer["param_groups"]}, indent=1).encode()
+    (folder / f"{expert_id}.json").write_bytes(meta)
+    hashes[f"{expert_id}.json"] = hashlib.sha256(meta).hexdigest()
+    return hashes
+
+
+def write_shard_files(folder: Path, shards: str, files: dict) -> dict[str, str]:
+    """A sharded optimizer's files in `folder/shards/`, as its ranks handed them over
+    (`Expert.optimizer_files`): {name: the sha256 of a file a rank wrote there itself, or its bytes
+    to write}. Returns {shards/name: sha256}."""
+    (folder / shards).mkdir(exist_ok=True)
+    for left in (folder / shards).glob(".shards-*"):  # a rank's scratch, from a try it did not finish
+        shutil.rmtree(left, ignore_errors=True)
+    hashes = {}
+    for name, held in files.items():
+        path = folder / shards / name
+        if isinstance(held, str):
+            if not path.is_file():
+                raise FileNotFoundError(f"'{path}': a rank said it wrote it there, and it is not there")
+            hashes[f"{shards}/{name}"] = held
+        else:
+            hashes[f"{shards}/{name}"] = write_streamed(path, [memoryview(np.asarray(held)).cast("B")])
+    return hashes
+
+
+def write_safetensors(path: Path, tensors: dict, dtypes: dict[str, str] | None = None) -> str:
+    """`tensors` ({name: numpy array or torch tensor on the CPU}) as a safetensors file at `path`,
+    each written from its own memory (a non-contiguous one is made contiguous first); `dtypes`
+    names the safetensors dtype of arrays that hold another type's bits (bfloat16 as int16 words).
+    As safetensors' own writer does, the header is padded to 8 bytes and the tensors are laid out
+    in LAYOUT's order of their dtypes, then by name. Returns the file's sha256."""
+    dtypes = dtypes or {}
+    raw = {name: raw_bytes(name, value) for name, value in tensors.items()}
+    stored = {name: dtypes.get(name, held.dtype) for name, held in raw.items()}
+    order = sorted(raw, key=lambda name: (LAYOUT.index(stored[name]), name))
+    header, offset = {}, 0
+    for name in order:
+        held = raw[name]
+        header[name] = {"dtype": stored[name], "shape": held.shape,
+                        "data_offsets": [offset, offset + held.data.nbytes]}
+        offset += held.data.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return write_streamed(path, [len(encoded).to_bytes(8, "little") + encoded, *(raw[name].data for name in order)])
+
+
+class RawTensor(NamedTuple):
+    """A tensor as safetensors stores it: its dtype's name, shape and bytes (a flat uint8 array)."""
+    dtype: str
+    shape: list[int]
+    data: np.ndarray
+
+
+def raw_bytes(name: str, value) -> RawTensor:
+    """`value` (a numpy array or a CPU torch tensor) as safetensors stores it: a view of its memory
+    where that is contiguous and little-endian already, else one copy of this tensor alone."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in TORCH_DTYPES:
+            raise ValueError(f"cannot store '{name}': safetensors has no dtype {value.dtype}")
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return RawTensor(TORCH_DTYPES[value.dtype], list(value.shape), data)
+    value = np.asarray(value, order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
+    little = value.dtype.newbyteorder("<") if value.dtype.byteorder == ">" else value.dtype
+    if little not in NUMPY_DTYPES:
+        raise ValueError(f"cannot store '{name}': safetensors has no dtype {value.dtype}")
+    data = value.astype(little, copy=False).reshape(-1).view(np.uint8)
+    return RawTensor(NUMPY_DTYPES[little], list(value.shape), data)
+
+
+def write_streamed(path: Path, pieces) -> str:
+    """`pieces` (buffers) one after another into `path`, CHUNK bytes at a time, hashed as they are
+    written: the file's sha256."""
+    digest = hashlib.sha256()
+    with open(path, "wb") as out:
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            for at in range(0, len(view), CHUNK):
+                digest.update(view[at:at + CHUNK])
+                out.write(view[at:at + CHUNK])
+    return digest.hexdigest()
+
+
+def sha256(path: Path) -> str:
+    """A file's sha256, read CHUNK bytes at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -82,17 +186,32 @@ def read(folder: Path, expert_id: str) -> Snapshot:
     return Snapshot(weights, optimizer, ExpertInfo(meta["version"], meta["last_step"]))
 
 
-def write_shards(optimizer: torch.optim.Optimizer) -> dict[str, bytes]:
+def write_shards(optimizer: torch.optim.Optimizer, into: Path | None = None, scratch: str | None = None) -> dict:
     """This rank's shards of a sharded optimizer's tensors (`optimizer.<param>.<key>`), written with
     torch.distributed.checkpoint's Hugging Face storage (safetensors, each shard's offsets in its
-    header; a collective: every rank of the expert calls it): {file name: bytes}."""
+    header; a collective: every rank of the expert calls it; each rank's files have names of their
+    own). Into `into`, a checkpoint's folder of them that this process can reach: {file name: sha256}.
+    Else into a temporary folder in `scratch` (None: the system's), handed over mapped from the file:
+    {file name: its bytes as a numpy uint8 array}, which the object store copies from the page cache
+    and this process's heap never holds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     tensors = {f"optimizer.{pid}.{k}": v for pid, entries in optimizer.state_dict()["state"].items()
                for k, v in entries.items()}
-    with tempfile.TemporaryDirectory() as tmp:
+    if into is not None:
+        into.mkdir(parents=True, exist_ok=True)
+    if scratch is not None:
+        Path(scratch).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=into or scratch, prefix=".shards-") as tmp:
         dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(tmp, save_distributed=True))
-        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir())}
+        written = sorted(Path(tmp).iterdir())
+        if into is None:  # a file mapped stays readable once its folder is removed
+            return {p.name: np.asarray(np.memmap(p, dtype=np.uint8, mode="r")) for p in written}
+        hashes = {}
+        for p in written:
+            hashes[p.name] = sha256(p)
+            p.rename(into / p.name)
+        return hashes
 
 
 def read_shards(folder: Path) -> dict[str, torch.Tensor]:

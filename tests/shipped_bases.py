@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from driver.bases import base_shaping, digest, refiner_shaping
-from driver.checkpoint import sha256
+from experts.state_file import sha256
 from driver.config import load_config
 from experts import state_file
 from experts.frontend import build_text_encoder
