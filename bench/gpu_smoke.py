@@ -52,6 +52,7 @@ TINY_FAMILY = {"sd3": "tiny:sd3", "flux1": "tiny:flux1", "flux2-klein": "tiny:fl
 PRESET_GENERATOR_KEYS = ("sample_steps", "sde_window", "noise_level", "clip_eps", "kl_beta", "kl_form",
                          "train_final_step", "same_initial_noise", "train_cfg", "micro_batch")
 RATIO_TOL, MEMORY_TOL, MEMORY_FLOOR = 1e-3, 0.15, 1e9
+RATIO_BOUND_MARGIN = 3.0  # RATIO_TOL: at least this times the largest gap bench/smoke_bounds.py measured
 GB = 1e9
 
 

@@ -62,6 +62,12 @@ METHODS = {
     "promptrl_shared": [*PROMPTRL_REWARD, "algorithm.credit=shared"],
     "promptrl_counterfactual": [*PROMPTRL_REWARD, "algorithm.credit=counterfactual", "experts.generator.owns=[image]"],
     "promptrl_replace": [*PROMPTRL_REWARD, "algorithm.credit=shared", "task.compose=replace"],
+    # PromptRL's single rewriter: one LM whose supervised start restates the whole request in its
+    # usual words (pretrain.rewrite_share, shipped beside each base), read in place of the prompt;
+    # the format term (2 to 5 words) would pay it to cut the request short, so it weighs nothing
+    "promptrl_rewrite": [*PROMPTRL_REWARD, "reward.terms.format.weight=0", "algorithm.credit=shared",
+                         "task.compose=replace", "experts.n_refiners=1", "experts.refiner_0.max_new_tokens=17",
+                         "pretrain.rewrite_share=1.0"],
     "shared": ["algorithm.credit=shared"],
     "per_expert": ["algorithm.credit=per_expert", "experts.generator.owns=[image]"],
     "counterfactual": ["algorithm.credit=counterfactual", "experts.generator.owns=[image]"],

@@ -13,11 +13,13 @@ and a generator that reads some language poorly while the LM knows it. Each is a
                    start in half of theirs; held-out accuracy in both wordings
     all            low_diversity and rare_wording together
 
-and in each, three methods from bench/learning.py: generator_only (the reference);
+and in each, four methods from bench/learning.py: generator_only (the reference);
 promptrl_replace, PromptRL as its code trains (shared advantage, the generator reading the
-rewrite in place of the prompt, 2 original samples of 8), so `task.compose=replace` is measured
-in every setting; and promptrl_counterfactual, the best joint method of bench/results/learning.md
-(it appends the refinements). Runs, their reuse and their measures are learning.py's: rollouts to
+refinements in place of the prompt, 2 original samples of 8), so `task.compose=replace` is measured
+in every setting; promptrl_counterfactual, the best joint method of bench/results/learning.md
+(it appends the refinements); and promptrl_rewrite, PromptRL's single rewriter: one LM whose
+supervised start restates the whole request in its usual words, read in place of the prompt
+(the three refiners of the others write detail segments too short to carry a request). Runs, their reuse and their measures are learning.py's: rollouts to
 reach generator-only's final strict held-out accuracy (per seed), final strict accuracy on the
 held-out set (and on it said in rare words where the setting has them), the group diagnostics at
 the first step and over the last ten, and the refiners' lever on the frozen base.
@@ -47,12 +49,21 @@ from learning import (BENCH, DIAGNOSTICS, METHODS, REFINERS, code_digest, final,
 LOW_DIVERSITY = ["experts.generator.same_initial_noise=true", "experts.generator.noise_level=0.1"]
 RARE = ["task.rare_wording=0.5", f"experts.base={ROOT / 'configs' / 'bases' / 'shapes-rare'}"]
 SETTINGS = {"control": [], "low_diversity": LOW_DIVERSITY, "rare_wording": RARE, "all": [*LOW_DIVERSITY, *RARE]}
-COMPARED = ("generator_only", "promptrl_replace", "promptrl_counterfactual")
+COMPARED = ("generator_only", "promptrl_replace", "promptrl_counterfactual", "promptrl_rewrite")
 # The quick run: one seed, a fifth of the steps, a sixth of the held-out prompts; the same settings
 # and methods, so it shows whether the ordering holds before hours are spent on the full one.
 QUICK = ["evaluation.every=10", "evaluation.per_category=16", "evaluation.batch_size=48",
          "trainer.prompts_per_step=8", "trainer.steps=30"]
 RARE_SET = "rare_wording"
+
+
+def base_inits(setting: list[str]) -> list[str]:
+    """The generator's and text encoder's files of a setting's base, named: a base is made for the
+    refiners' detail segments (bench/results/settings.notes.md), and promptrl_rewrite's rewriter,
+    whose longer text it reads in place of the prompt, would otherwise ask for a base of its own."""
+    config = load_config("shapes", setting)
+    return [f"experts.generator.init={config.experts.generator.init}",
+            f"experts.text_encoder.init={config.experts.text_encoder.init}"]
 
 
 def parse_args():
@@ -184,12 +195,13 @@ def main() -> int:
     methods = [m for m in COMPARED if m == COMPARED[0] or m in args.methods]
     code = {s: code_digest(load_config("shapes", [*bench, *SETTINGS[s]])) for s in args.settings}
     jobs = [(s, m, seed) for seed in range(seeds) for s in args.settings for m in methods]
-    sets = {(s, m, seed): method_sets([*bench, *SETTINGS[s]], m, seed, []) for s, m, seed in jobs}
+    overrides = {(s, m): [*bench, *SETTINGS[s], *(base_inits([*bench, *SETTINGS[s]]) if m == "promptrl_rewrite" else [])]
+                 for s in args.settings for m in methods}
+    sets = {(s, m, seed): method_sets(overrides[s, m], m, seed, []) for s, m, seed in jobs}
     reused = sum(finished(run_path(work / s, m, seed, []), sets[s, m, seed], code[s]) for s, m, seed in jobs)
     print(f"bench: {len(jobs)} runs ({reused} reused), {args.jobs} at once", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:
-        dirs = list(pool.map(lambda j: run_one(j[1], j[2], [*bench, *SETTINGS[j[0]]], [], work / j[0], code[j[0]]),
-                             jobs))
+        dirs = list(pool.map(lambda j: run_one(j[1], j[2], overrides[j[0], j[1]], [], work / j[0], code[j[0]]), jobs))
     runs: dict[str, dict[str, dict[int, dict]]] = {s: {m: {} for m in methods} for s in args.settings}
     for (s, m, seed), d in zip(jobs, dirs):
         runs[s][m][seed] = load(d, m)

@@ -45,16 +45,18 @@ def base_shaping(config) -> dict:
             "text_len": config.experts.text_encoder.max_sequence_length,
             "details": caption_details(config),
             "pretrain": config.pretrain.model_dump(exclude={"out_dir", "threads", "refiner_steps", "refiner_lr",
-                                                            "rare_caption_share"})}
+                                                            "rare_caption_share", "rewrite_share"})}
 
 
 def refiner_shaping(config, refiner) -> dict:
     """Everything that shapes a refiner's supervised start (not its sampling temperature: the start
-    is learnt at temperature 1, as a pretrained LM's weights are, and sampled at any)."""
+    is learnt at temperature 1, as a pretrained LM's weights are, and sampled at any). A rewrite
+    share is named only where it is set, so the starts made before it existed keep their hash."""
+    rewrite = {"rewrite_share"} if config.pretrain.rewrite_share else set()
     return {"format": FORMAT, "vocab": refiner_vocabulary(config.task), "model": refiner.model.model_dump(),
             "max_new_tokens": refiner.max_new_tokens,
             "pretrain": config.pretrain.model_dump(include={"refiner_steps", "refiner_lr", "batch_size", "seed",
-                                                            "degraded_share", "restate_share"})}
+                                                            "degraded_share", "restate_share", *rewrite})}
 
 
 def digest(shaping: dict) -> str:
@@ -70,9 +72,10 @@ def refiner_dir(config, refiner, out_dir: str | Path | None = None) -> Path:
     return Path(out_dir or config.pretrain.out_dir) / f"refiner-{digest(refiner_shaping(config, refiner))}"
 
 
-def init_files(config, out_dir: str | Path) -> dict[str, Path]:
-    """`experts.<id>.init` (and `experts.text_encoder.init`) for every expert, from the pretrain
-    output folder `out_dir`; a ValueError naming the settings that differ where it holds none."""
+def init_files(config, out_dir: str | Path, wanted: set[str]) -> dict[str, Path]:
+    """`experts.<id>.init` (and `experts.text_encoder.init`) for every expert named in `wanted` (those
+    whose init the config does not set), from the pretrain output folder `out_dir`; a ValueError
+    naming the settings that differ where it holds none."""
     if not any(Path(out_dir).glob("*/manifest.json")):
         raise ValueError(f"'{out_dir}' holds nothing `jointrl pretrain` made (no base-<hash>/ or "
                          f"refiner-<hash>/ folder with its manifest.json); make one there with `jointrl pretrain "
@@ -80,7 +83,7 @@ def init_files(config, out_dir: str | Path) -> dict[str, Path]:
     base = base_dir(config, out_dir)
     files, problems = {}, []
     if config.experts.generator.model.kind in ("tiny_dit", "tiny_video_dit"):  # a base holds tiny models only
-        files = {"generator": base / "generator.safetensors", "text_encoder": base / "text_encoder.safetensors"}
+        files = {name: base / f"{name}.safetensors" for name in ("generator", "text_encoder") if name in wanted}
     if files and not base.is_dir():
         problems = [differences(out_dir, "base-", base_shaping(config), "the generator", {
             "generator.": "experts.generator.model.", "text_encoder.": "experts.text_encoder.",
@@ -88,7 +91,7 @@ def init_files(config, out_dir: str | Path) -> dict[str, Path]:
             "details.": "the words (the refiners' largest max_new_tokens) of the pretraining captions' detail "
                         "segment "})]
     for eid, refiner in config.experts.active_refiners().items():
-        if refiner.model.kind != "tiny_lm":
+        if refiner.model.kind != "tiny_lm" or eid not in wanted:
             continue
         folder = refiner_dir(config, refiner, out_dir)
         files[eid] = folder / "refiner.safetensors"

@@ -37,6 +37,8 @@ def parse_args(argv):
     where.add_argument("--resume", default=None, metavar="RUN_DIR",
                        help="continue a stopped run from its latest checkpoint, with its saved config")
     pre = sub.add_parser("pretrain", help="flow-match the base generator and text encoder (cached)")
+    pre.add_argument("--refiners", action="store_true", help="only the refiners' supervised starts (cached): "
+                                                             "for refiners of other settings beside a base already made")
     e = sub.add_parser("eval", help="every reward term (and GenEval-style strict accuracy) per tag on the task's "
                                     "evaluation sets, with and without refinement")
     e.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory (its latest checkpoint is evaluated)")
@@ -332,8 +334,13 @@ def run_report(args) -> int:
 def run_pretrain(args) -> int:
     from driver.bases import base_dir
     from driver.evaluate import evaluate_base, table
-    from driver.pretrain import pretrain_all
+    from driver.pretrain import pretrain_all, pretrain_refiner
     config = load_config(args.config, ["experts.base=null", *args.overrides])  # it makes the base
+    if args.refiners:
+        for eid in config.experts.active_refiners():
+            path, reused = pretrain_refiner(config, eid)
+            print(f"jointrl: {eid}'s supervised start {'reused' if reused else 'made'}: --set experts.{eid}.init={path.resolve()}")
+        return 0
     base = base_dir(config)
     print(f"jointrl: pretraining the base into {base} ({config.pretrain.steps} steps), then the "
           f"refiners ({config.pretrain.refiner_steps} steps)", flush=True)

@@ -412,6 +412,11 @@ class PretrainConfig(Strict):
     restate_share: float = Field(0.25, ge=0.0, le=1.0, description="share of the refiners' supervised examples "
                                  "that first restate one of the prompt's colours or shapes, as a rewriting LM "
                                  "restates the request before adding detail")
+    rewrite_share: float = Field(0.0, ge=0.0, le=1.0, description="share of the refiners' supervised examples "
+                                 "that restate the whole request in its usual words (a rare-worded prompt in the "
+                                 "words the base reads best), as an instruct LM asked to rewrite a prompt does; the "
+                                 "rest are detail segments. For task.compose=replace, with max_new_tokens above the "
+                                 "longest prompt's words (a rewrite longer than that is cut)")
     rare_caption_share: float = Field(0.01, ge=0.0, le=1.0, description="under task.rare_wording, the share "
                                       "of the base's captions said in rare synonyms (a long tail); the refiners' "
                                       "supervised start sees both wordings equally")
@@ -590,13 +595,13 @@ class Config(Strict):
         if self.experts.base is None:
             return self
         from driver.bases import init_files
+        specs = {**self.experts.sections(), "text_encoder": self.experts.text_encoder}
         try:
-            files = init_files(self, self.experts.base)
+            files = init_files(self, self.experts.base, {n for n, spec in specs.items() if "init" not in spec.model_fields_set})
         except ValueError as e:
             raise ValueError(f"experts.base: {e}") from None
-        for name, spec in {**self.experts.sections(), "text_encoder": self.experts.text_encoder}.items():
-            if name in files and "init" not in spec.model_fields_set:
-                spec.init = str(files[name])
+        for name, path in files.items():
+            specs[name].init = str(path)
         return self
 
     @model_validator(mode="after")

@@ -69,9 +69,14 @@ REFINER_RARE_SHARE = 0.5  # under task.rare_wording a refiner's language knowled
 def random_prompt(rng: np.random.Generator, rare_share: float = 0.0) -> Prompt:
     """A prompt of a random category and wording (terse or full), paraphrased a third of the time,
     then said in rare synonyms a `rare_share` of the time (no draw for it when 0)."""
+    return worded_prompt(rng, rare_share)[0]
+
+
+def worded_prompt(rng: np.random.Generator, rare_share: float = 0.0) -> tuple[Prompt, Prompt]:
+    """`random_prompt`'s prompt, and the same in its usual words (itself where it is not rare-worded)."""
     p = make_prompt(CATEGORIES[rng.integers(len(CATEGORIES))], rng, terse=bool(rng.integers(2)))
     p = paraphrase(p) if rng.random() < 1 / 3 else p
-    return rare_worded(p) if rare_share and rng.random() < rare_share else p
+    return (rare_worded(p) if rare_share and rng.random() < rare_share else p), p
 
 
 def random_video_prompt(rng: np.random.Generator):
@@ -150,15 +155,19 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
 
 
 def refinement_batch(rng: np.random.Generator, n: int, *, degraded_share: float, max_new_tokens: int,
-                     restate_share: float = 0.0, rare_share: float = 0.0):
+                     restate_share: float = 0.0, rare_share: float = 0.0, rewrite_share: float = 0.0):
     """`n` (prompt ids, refinement tokens ending in <eos>) pairs: the detail segments of the
     pretraining captions, so a pretrained refiner writes what the base generator has seen; a
     `restate_share` of them first restate one of the prompt's colours or shapes in its usual word,
-    a `rare_share` of the prompts being in rare synonyms."""
+    a `rare_share` of the prompts being in rare synonyms. A `rewrite_share` of them are instead the
+    whole request in its usual words, cut to `max_new_tokens` - 1 (no draw for it when 0)."""
     prompts, tokens = [], []
     for _ in range(n):
-        p = random_prompt(rng, rare_share)
-        words = segment_words(rng, p, bool(rng.random() < degraded_share), max_new_tokens - 1, restate_share)
+        p, usual = worded_prompt(rng, rare_share)
+        if rewrite_share and rng.random() < rewrite_share:
+            words = usual.text.split()[:max_new_tokens - 1]
+        else:
+            words = segment_words(rng, p, bool(rng.random() < degraded_share), max_new_tokens - 1, restate_share)
         prompts.append(list(p.ids))
         tokens.append([*(WORD_TO_ID[w] for w in words), EOS] + [PAD] * (max_new_tokens - 1 - len(words)))
     return prompts, torch.tensor(tokens)
@@ -181,7 +190,8 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
     for _ in bar:
         prompts, tokens = refinement_batch(rng, pc.batch_size, degraded_share=pc.degraded_share,
                                            max_new_tokens=refiner.max_new_tokens, restate_share=pc.restate_share,
-                                           rare_share=REFINER_RARE_SHARE if config.task.rare_wording else 0.0)
+                                           rare_share=REFINER_RARE_SHARE if config.task.rare_wording else 0.0,
+                                           rewrite_share=pc.rewrite_share)
         loss = -model.token_logprobs(prompts, tokens).sum() / (tokens != PAD).sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

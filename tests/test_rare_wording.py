@@ -2,8 +2,11 @@
 relations in rare synonyms, words the base's captions use rarely and the refiners' supervised start
 has seen as often as the usual ones (PromptRL's third mechanism: the LM knows language the
 generator reads poorly). Off by default, where everything computes as before."""
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 
 import driver.cli as cli
 from driver.bases import base_dir, refiner_dir
@@ -11,10 +14,11 @@ from driver.pretrain import caption_batch, refinement_batch
 from experts.frontend import ShapesFrontEnd
 from experts.kinds import build_model
 from tasks import build_task, refiner_vocabulary, text_vocabulary
-from tasks.shapes import (RARE_SYNONYMS, RARE_VOCAB, RARE_WORD_TO_ID, VOCAB, WORD_TO_ID, ObjectClause, Prompt,
+from tasks.shapes import (EOS, RARE_SYNONYMS, RARE_VOCAB, RARE_WORD_TO_ID, VOCAB, WORD_TO_ID, ObjectClause, Prompt,
                           prompt_set, rare_worded)
 from tests.conftest import make_config, run_training
 
+ROOT = Path(__file__).resolve().parent.parent
 USUAL = set(WORD_TO_ID)
 RARE_IDS = set(range(len(VOCAB), len(RARE_VOCAB)))
 
@@ -105,3 +109,39 @@ def test_a_run_with_rare_wording_evaluates_both_wordings(tmp_path):
                          "evaluation.per_category=1", preset="shapes-tiny")
     rows, _, _ = run_training(config, tmp_path)
     assert {"eval/rare_wording/refined/image/strict", "eval/held_out/refined/image/strict"} <= set(rows[-1])
+
+
+def test_a_rewriting_start_is_taught_the_whole_request_in_its_usual_words():
+    """pretrain.rewrite_share=1: every supervised example of a refiner is its prompt restated whole,
+    a rare-worded prompt in the usual words, then <eos>; off (0) the examples draw as before."""
+    usual = {v: k for k, v in RARE_SYNONYMS.items()}
+    prompts, tokens = refinement_batch(np.random.default_rng(0), 200, degraded_share=0.2, max_new_tokens=17,
+                                       rare_share=0.5, rewrite_share=1.0)
+    for ids, row in zip(prompts, tokens.tolist()):
+        asked = [RARE_VOCAB[i] for i in ids]
+        assert row[:row.index(EOS)] == [WORD_TO_ID[usual.get(w, w)] for w in asked]
+    before = refinement_batch(np.random.default_rng(0), 50, degraded_share=0.2, max_new_tokens=6, restate_share=0.25)
+    off = refinement_batch(np.random.default_rng(0), 50, degraded_share=0.2, max_new_tokens=6, restate_share=0.25,
+                           rewrite_share=0.0)
+    assert before[0] == off[0] and torch.equal(before[1], off[1])
+
+
+def test_the_shipped_rewriting_start_restates_rare_prompts_and_its_base_is_named_by_file():
+    """The rewriter shipped beside the rare-wording base (made with `jointrl pretrain --refiners`):
+    the base's generator and text encoder named by their files (the base was made for the detail
+    refiners' captions), `experts.base` finds only the refiner's start, which restates nearly every
+    rare-worded held-out prompt in the usual words, sampled at its temperature."""
+    base = ROOT / "configs" / "bases" / "shapes-rare"
+    made = next(base.glob("base-*"))
+    cfg = make_config("task.rare_wording=0.5", f"experts.base={base}", "experts.n_refiners=1",
+                      "experts.refiner_0.max_new_tokens=17", "pretrain.rewrite_share=1.0",
+                      f"experts.generator.init={made / 'generator.safetensors'}",
+                      f"experts.text_encoder.init={made / 'text_encoder.safetensors'}", preset="shapes")
+    assert cfg.expert("refiner_0").init == str(refiner_dir(cfg, cfg.expert("refiner_0"), base) / "refiner.safetensors")
+    model = build_model(cfg, "refiner_0")
+    asked = [rare_worded(p) for p in prompt_set(64, 1)]
+    tokens, _, _ = model.sample([list(p.ids) for p in asked], torch.rand(64, 17, generator=torch.Generator().manual_seed(0)))
+    usual = {v: k for k, v in RARE_SYNONYMS.items()}
+    restated = [row[:row.index(EOS)] == [WORD_TO_ID[usual.get(w, w)] for w in p.text.split()] if EOS in row else False
+                for row, p in zip(tokens.tolist(), asked)]
+    assert np.mean(restated) > 0.9

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.config import SettingError
+from driver.bases import base_dir, refiner_dir
 from driver.config import load_config
 from tests.shipped_bases import check_shipped_base
 
@@ -21,7 +22,7 @@ SHIPPED = ROOT / "configs" / "bases" / "shapes"
 
 
 def test_the_shipped_base_is_its_manifests_files_made_for_the_preset_and_the_preset_loads_it():
-    base, _ = check_shipped_base("shapes", SHIPPED, max_mib=4)
+    base, _ = check_shipped_base("shapes", SHIPPED, max_mib=4, rewriter=True)
     assert json.loads((base / "eval.json").read_text())["sets"]["held_out"]["unrefined"]["image/strict"]
 
 
@@ -54,7 +55,11 @@ def test_a_config_the_base_does_not_fit_is_refused_naming_the_key(tmp_path):
     assert one.experts.refiners[0].init is None and one.experts.refiners[1].init and one.experts.generator.init
     damaged = tmp_path / "bases"
     shutil.copytree(SHIPPED, damaged)
-    older = next(damaged.glob("refiner-*"))  # made with a setting this version no longer asks for
+    preset_refiner = Path(load_config("shapes").experts.refiners[0].init).parent.name
+    for other in damaged.glob("refiner-*"):  # the shipped rewriter's start: another preset's refiner
+        if other.name != preset_refiner:
+            shutil.rmtree(other)
+    older = damaged / preset_refiner  # made with a setting this version no longer asks for
     manifest = json.loads((older / "manifest.json").read_text())
     manifest["made_from"]["temperature"] = 1.0
     (older / "manifest.json").write_text(json.dumps(manifest))
@@ -102,7 +107,8 @@ def test_any_number_of_refiners_starts_from_the_shipped_base(n, tmp_path):
     config = load_config("shapes", [f"experts.n_refiners={n}", "trainer.steps=2", "trainer.prompts_per_step=1",
                                     "algorithm.group_size=4", "algorithm.num_skip_refinement=1",
                                     "experts.generator.sample_steps=4", "cluster.mode=inline"])
-    base, refiner = sorted(p for p in SHIPPED.iterdir() if p.is_dir())
+    preset = load_config("shapes")
+    base, refiner = base_dir(preset, SHIPPED), refiner_dir(preset, preset.experts.refiners[0], SHIPPED)
     assert config.experts.generator.init == str(base / "generator.safetensors")
     assert config.experts.text_encoder.init == str(base / "text_encoder.safetensors")
     assert [r.init for r in config.experts.refiners] == [str(refiner / "refiner.safetensors")] * n
@@ -118,7 +124,7 @@ def test_the_rare_wording_base_is_made_for_its_setting_and_reads_the_rare_words_
     The setting's premise, in its eval.json: the same held-out prompts are drawn worse so worded."""
     shipped = ROOT / "configs" / "bases" / "shapes-rare"
     base, _ = check_shipped_base("shapes", shipped, max_mib=4,
-                                 overrides=("task.rare_wording=0.5", f"experts.base={shipped}"))
+                                 overrides=("task.rare_wording=0.5", f"experts.base={shipped}"), rewriter=True)
     sets = json.loads((base / "eval.json").read_text())["sets"]
     usual, rare = (sets[name]["unrefined"]["image/strict"]["overall"] for name in ("held_out", "rare_wording"))
     assert rare < usual - 0.1, (usual, rare)

@@ -1,0 +1,105 @@
+"""The GPU smoke run's first-step ratio bound, measured: each GPU preset's tiny stand-in in bfloat16 on the CPU.
+
+bench/gpu_smoke.py passes a run whose first update was on policy: `ppo/ratio_mean/<id>` near 1
+for every expert it updated. In bfloat16 the log-probabilities an update recomputes differ from
+the ones its rollout recorded, by the rounding of another order of operations: a refiner decodes
+token by token with a KV cache where its update reads the whole text in one pass, and a generator's
+transformer runs a batch of another size. This script runs exactly what `gpu_smoke.sh --preset <p>
+--tiny` runs (its own overrides: the preset's sampler and loss settings, bfloat16 refiners and
+generator, one step), but inline on the CPU, for --seeds seeds, and reports |ratio_mean - 1| per
+expert, the largest per kind, and the bound that the smoke run's table uses: RATIO_BOUND_MARGIN
+times the largest seen over refiners and generators (a GPU's kernels round in another order again;
+the margin is for that, not measured here).
+
+    python bench/smoke_bounds.py [--presets sd3 flux1 ...] [--seeds 2] [--out bench/results]
+
+It writes bench/results/smoke_bounds.md (and prints it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_smoke import GPU_PRESETS, RATIO_BOUND_MARGIN, smoke_config, smoke_overrides  # noqa: E402
+
+ON_THE_CPU = ["cluster.mode=inline", "logging.tensorboard=false", "logging.images_every=0", "logging.report=false",
+              "experts.refiner_defaults.resources.num_gpus=0", "experts.generator.resources.num_gpus=0",
+              "cluster.rollout_resources.num_gpus=0", "reward.resources.num_gpus=0",
+              "reward.terms.geneval.resources={num_gpus: 0}", "reward.terms.pickscore.resources={num_gpus: 0}"]
+
+
+def first_ratios(preset: str, seed: int, work: Path, refiner: str | None) -> dict[str, float]:
+    """{expert: ppo/ratio_mean of the first step, and each refiner's largest per-token log-prob gap
+    as "<id> gap_max"} of the preset's tiny stand-in (its refiners' model `refiner` if given), one
+    step inline."""
+    _, overrides = smoke_overrides(preset, True, 1, 80.0, 1, False)
+    prompts = smoke_config(preset, True, 1, 80.0, 1, None, False).trainer.prompts_per_step
+    sets = [*overrides, f"trainer.prompts_per_step={prompts}", *ON_THE_CPU, f"trainer.seed={seed}",
+            *([f"experts.refiner_defaults.model.path={refiner}", "experts.refiner_defaults.max_new_tokens=48"]
+              if refiner else [])]
+    run_dir = work / f"{preset}-seed{seed}"
+    cmd = [sys.executable, "-m", "driver", "train", "--config", "prompts-tiny", "--run-dir", str(run_dir),
+           *[a for s in sets for a in ("--set", s)]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{preset} seed {seed} failed:\n{done.stderr[-3000:]}")
+    row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    return {**{k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith("ppo/ratio_mean/")},
+            **{f"{k.split('/')[1]} gap_max": v for k, v in row.items() if k.endswith("/logprob_gap_max")}}
+
+
+def report(found: dict[tuple[str, int], dict[str, float]], seeds: int, minutes: float) -> str:
+    kinds = {"refiners": [], "generator": []}
+    lines = ["# The GPU smoke run's first-step ratio bound", "",
+             f"`python bench/smoke_bounds.py --seeds {seeds}` ({minutes:.0f} min on this machine's CPU): each GPU "
+             "preset's tiny stand-in (`gpu_smoke.sh --preset <p> --tiny`'s config: bfloat16 refiners and generator, "
+             "the preset's sampler and loss settings) trained one step inline, |ppo/ratio_mean - 1| per expert.", "",
+             "| preset | seed | " + " | ".join(["refiner_0", "refiner_1", "generator"]) + " |", "|---|---|---|---|---|"]
+    for (preset, seed), ratios in found.items():
+        cells = []
+        for e in ("refiner_0", "refiner_1", "generator"):
+            gap = abs(ratios[e] - 1.0) if e in ratios else None
+            cells.append("–" if gap is None else f"{gap:.1e}")
+            if gap is not None:
+                kinds["generator" if e == "generator" else "refiners"].append(gap)
+        lines.append(f"| {preset} | {seed} | " + " | ".join(cells) + " |")
+    largest = max(g for gaps in kinds.values() for g in gaps)
+    lines += ["", *[f"- largest gap, {kind}: {max(gaps):.1e}" for kind, gaps in kinds.items() if gaps],
+              f"- bound: {RATIO_BOUND_MARGIN:g} x {largest:.1e} = **{RATIO_BOUND_MARGIN * largest:.1e}** "
+              f"(`RATIO_TOL` in bench/gpu_smoke.py must be at least this)"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", nargs="+", choices=GPU_PRESETS, default=list(GPU_PRESETS))
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = p.parse_args()
+    start, found = time.perf_counter(), {}
+    with tempfile.TemporaryDirectory(prefix="jointrl-bounds-") as work:
+        for preset in args.presets:
+            for seed in range(args.seeds):
+                found[preset, seed] = first_ratios(preset, seed, Path(work))
+                print(f"{preset} seed {seed}: " + ", ".join(f"{e} {r:.6f}" for e, r in found[preset, seed].items()),
+                      flush=True)
+    text = report(found, args.seeds, (time.perf_counter() - start) / 60)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "smoke_bounds.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
