@@ -64,10 +64,12 @@ METHODS = {
     "promptrl_replace": [*PROMPTRL_REWARD, "algorithm.credit=shared", "task.compose=replace"],
     # PromptRL's single rewriter: one LM whose supervised start restates the whole request in its
     # usual words (pretrain.rewrite_share, shipped beside each base), read in place of the prompt;
-    # the format term (2 to 5 words) would pay it to cut the request short, so it weighs nothing
+    # the format term (2 to 5 words) would pay it to cut the request short, so it weighs nothing.
+    # Its lr is a tenth of its supervised start's, as PromptRL trains its LM far below SFT rates: at
+    # the refiners' 3e-3 it unlearnt copying within 30 steps (settings.notes.md, rare_wording seed 0)
     "promptrl_rewrite": [*PROMPTRL_REWARD, "reward.terms.format.weight=0", "algorithm.credit=shared",
                          "task.compose=replace", "experts.n_refiners=1", "experts.refiner_0.max_new_tokens=17",
-                         "pretrain.rewrite_share=1.0"],
+                         "pretrain.rewrite_share=1.0", "experts.refiner_0.lr=3e-4"],
     "shared": ["algorithm.credit=shared"],
     "per_expert": ["algorithm.credit=per_expert", "experts.generator.owns=[image]"],
     "counterfactual": ["algorithm.credit=counterfactual", "experts.generator.owns=[image]"],

@@ -123,3 +123,13 @@ def test_eval_writes_a_sample_grid_one_row_per_category(tmp_path):
     assert pic.shape == ((2 * 34 + 2) * 4, (6 * 34 + 2) * 4, 3)
     assert pic.std() > 10  # not blank
     np.testing.assert_array_equal(pic[8:8 + 128:4, 8:8 + 128:4], grid(images[:1], cols=1)[8:136:4, 8:136:4])
+
+
+def test_cli_pretrain_refiners_makes_only_the_refiners_starts(tmp_path, capsys):
+    """`jointrl pretrain --refiners`: each refiner's supervised start (one per shaping), no base."""
+    args = ["--config", "shapes-tiny", "--refiners", "--set", "pretrain.refiner_steps=5", "--set",
+            f"pretrain.out_dir={tmp_path}", "--set", "experts.refiner_2.max_new_tokens=8"]
+    assert cli.main(["pretrain", *args]) == 0
+    out = capsys.readouterr().out
+    assert [p.name.split("-")[0] for p in sorted(tmp_path.iterdir())] == ["refiner", "refiner"]
+    assert out.count("made: --set experts.refiner_") == 2 and "refiner_1's supervised start reused" in out
