@@ -70,12 +70,18 @@ def shipped_models() -> list[str]:
 
 def weighted_components(folder: Path) -> dict[str, tuple[str, str]]:
     """A pipeline's components that hold weights: name -> (library, class)."""
-    index = json.loads((folder / "model_index.json").read_text())
+    index = model_index(folder)
     return {name: tuple(spec) for name, spec in index.items()
             if isinstance(spec, list) and spec[0] in ("diffusers", "transformers")
             and not name.startswith(("tokenizer", "scheduler", "processor", "feature_extractor"))}
 
 
+def model_index(folder: Path) -> dict:
+    """A pipeline's model_index.json, read as diffusers' `DiffusionPipeline.load_config` reads it
+    (without importing diffusers)."""
+    return json.loads((folder / "model_index.json").read_text())
+
+
 def index_class(folder: Path) -> str:
     """The pipeline class a model_index.json names (its family)."""
-    return json.loads((folder / "model_index.json").read_text()).get("_class_name", "?")
+    return model_index(folder).get("_class_name", "?")

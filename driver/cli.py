@@ -488,6 +488,7 @@ def run_plan(args) -> int:
     from driver.config import resolve_config
     from driver.layout_plan import compare, compare_json, compare_report
     from driver.plan import PlanError, plan_for, report, target_for
+    from experts.measurements import version_notes
     config = resolve_config(args.config, args.overrides)
     for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--gpu-memory", args.gpu_memory)):
         if value is not None and (value < 0 or flag != "--gpus" and value <= 0):
@@ -503,6 +504,8 @@ def run_plan(args) -> int:
         except PlacementError as e:
             raise PlanError(f"--place: {e}; everything reserved was released") from None
     layouts = compare(config, plan.target)
+    for note in version_notes():
+        print(f"jointrl: plan: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps({**plan.to_json(), "layouts": compare_json(layouts),
                           **({"placed": placed, "placed_env": placed_env} if placed is not None else {})}, indent=2))

@@ -121,11 +121,10 @@ def flop_costs(config: Config, tflops: float) -> PhaseCosts:
         update["generator"] = len(trained_steps(g)) * per_step * (
             backward(arch.transformer, bool(g.model.lora)) + (2 * arch.transformer if g.kl_beta > 0 else 0)) / rate
     else:  # Wan2.2-A14B's two transformers, each its own expert, each training the steps it denoises
-        from common.architectures import config_folder
-        from common.loading import load_index
+        from common.architectures import config_folder, model_index
         from experts.wan import transformer_steps
         folder = config_folder(g.model.path, g.model.revision)
-        boundary = load_index(str(folder))["boundary_ratio"]
+        boundary = model_index(folder)["boundary_ratio"]
         sides, _ = transformer_steps(folder, g.sample_steps, trained_steps(g), boundary)
         for e, side, part in (("generator", "high", "transformer"), ("generator_low", "low", "transformer_2")):
             spec = config.expert(e)

@@ -25,13 +25,15 @@ each with its gradients in place of its outputs while everything saved before it
 A pass without gradients (sampling, the reference, a VAE decode, a reward model) is measured as
 its working set: the largest operation's inputs and outputs, plus the largest block input held
 beside them (the residual stream). bench/plans.py measures the estimate against the update's
-peak memory on CPU.
+peak memory on CPU. Each measurement is kept once made (experts/measurements.py), so a model is
+traced once, not at every plan.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +46,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from common.architectures import UnknownModel, config_folder, index_class, weighted_components
-from experts.parallel import blocks
+from experts.measurements import remembered
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 META = torch.device("meta")
+TRACING = ["experts.memory", "experts.parallel"]  # the code every measurement depends on (experts/measurements.py)
+
+
+def architecture_inputs(model_json: str) -> dict:
+    """A model section's settings a measurement depends on: all but where the model is read from
+    (its config files are keyed themselves, so a local copy or `random:` shares the hub id's)."""
+    return {k: v for k, v in json.loads(model_json).items() if k not in ("path", "revision")}
 
 
 # --- models on the meta device ---------------------------------------------------------------------
@@ -254,6 +263,7 @@ class Trace(TorchDispatchMode):
 def measure(model: nn.Module, run, grad: bool = True) -> Pass:
     """`run()`, one forward pass of `model` on meta tensors of one sample, traced (with gradients
     if `grad`, else without)."""
+    from experts.parallel import blocks  # torch.distributed's import (a second) only when tracing
     units = blocks(model)
     weights = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
     trace = Trace(weights, len(units))
@@ -331,12 +341,23 @@ def dtype_of(name: str) -> torch.dtype:
 def _generator(path: str, revision: str | None, model_json: str, image_size: int, image_width: int | None,
                num_frames: int | None) -> GeneratorArchitecture:
     from experts.families import FAMILIES
-    from experts.generator import DiffusersFlowConfig
-    m = DiffusersFlowConfig.model_validate_json(model_json)
     folder = config_folder(path, revision)
     family = index_class(folder)
     if family not in FAMILIES or family not in CONDITIONING:
         raise UnknownModel(f"'{path}' holds a {family}; the generator families supported are {', '.join(FAMILIES)}")
+    size = f"{image_size}x{image_width or image_size}" + (f"x{num_frames}" if num_frames else "")
+    return remembered("generator", GeneratorArchitecture, folder,
+                      {"model": architecture_inputs(model_json), "image_size": image_size, "image_width": image_width,
+                       "num_frames": num_frames},
+                      [*TRACING, "experts.flow_family", FAMILIES[family]], f"generator {path} at {size}",
+                      lambda: _trace_generator(folder, family, model_json, image_size, image_width, num_frames))
+
+
+def _trace_generator(folder: Path, family: str, model_json: str, image_size: int, image_width: int | None,
+                     num_frames: int | None) -> GeneratorArchitecture:
+    from experts.families import FAMILIES
+    from experts.generator import DiffusersFlowConfig
+    m = DiffusersFlowConfig.model_validate_json(model_json)
     module = importlib.import_module(FAMILIES[family])
     parts = weighted_components(folder)
     built = {name: meta_component(folder / name, *spec) for name, spec in parts.items()}
@@ -347,6 +368,7 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
     for t in trained.values():
         in_dtype(t, dtype)
     counts = {name: count(t) for name, t in trained.items()}
+    from experts.parallel import blocks
     largest = max((count(b) for b in blocks(transformer)), default=count(transformer))
     loras = {name: add_lora(t, m.lora, module.Velocity.LORA_TARGETS) if m.lora else 0 for name, t in trained.items()}
     per_transformer = {name: (counts[name], loras[name]) for name in trained}
@@ -415,10 +437,16 @@ class LMArchitecture:
 
 @functools.lru_cache(maxsize=16)
 def _lm(path: str, revision: str | None, model_json: str) -> LMArchitecture:
+    folder = config_folder(path, revision)
+    return remembered("lm", LMArchitecture, folder, {"model": architecture_inputs(model_json)},
+                      [*TRACING, "experts.hf_refiner"], f"refiner {path}", lambda: _trace_lm(folder, model_json))
+
+
+def _trace_lm(folder: Path, model_json: str) -> LMArchitecture:
     from experts.hf_refiner import LORA_TARGETS
     from experts.refiner import HFCausalLMConfig
     m = HFCausalLMConfig.model_validate_json(model_json)
-    lm = meta_causal_lm(config_folder(path, revision)).to(dtype_of(m.dtype))
+    lm = meta_causal_lm(folder).to(dtype_of(m.dtype))
     size = count(lm)
     lora = add_lora(lm, m.lora, LORA_TARGETS) if m.lora else 0
     if not m.lora:
@@ -455,7 +483,13 @@ class RewardArchitecture:
 @functools.lru_cache(maxsize=16)
 def reward_architecture(path: str, dtype: str, revision: str | None = None) -> RewardArchitecture:
     """A reward model (a transformers checkpoint) in `dtype`: its count and one image's working set."""
-    model = meta_pretrained(config_folder(path, revision)).to(dtype_of(dtype))
+    folder = config_folder(path, revision)
+    return remembered("reward", RewardArchitecture, folder, {"dtype": dtype}, TRACING, f"reward model {path} in {dtype}",
+                      lambda: _trace_reward(folder, dtype))
+
+
+def _trace_reward(folder: Path, dtype: str) -> RewardArchitecture:
+    model = meta_pretrained(folder).to(dtype_of(dtype))
     vision = getattr(model, "vision_model", None) or getattr(model, "encoder", None) \
         or getattr(getattr(model, "owlv2", None), "vision_model", None) or getattr(model, "visual", None)
     config = getattr(vision, "config", None)
