@@ -30,15 +30,20 @@ class CheckpointError(SettingError):
     """A checkpoint that is missing, corrupt or made for another config; the CLI exits with 2."""
 
 
+def fresh_temporary(final: Path) -> Path:
+    """`final`'s temporary folder beside it, emptied and made afresh."""
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
 @contextmanager
 def atomic_dir(final: Path, staged: bool = False):
     """Yield a temporary folder beside `final` (made afresh, or as `staging` made it already and
     filled in part: `staged`); once the block succeeds it replaces `final`."""
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = final.with_name(final.name + ".tmp") if staged else fresh_temporary(final)
     try:
-        if not staged:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
         yield tmp
     except BaseException:  # a full disk, an interrupt: no half-written folder is left behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -50,10 +55,7 @@ def atomic_dir(final: Path, staged: bool = False):
 def staging(run_dir: Path, step: int) -> Path:
     """Checkpoint `step`'s temporary folder, made afresh, for the ranks of sharded experts to write
     their optimizer shards into before `save(..., staged=True)` writes the rest and renames it."""
-    tmp = checkpoint_path(run_dir, step).with_name(checkpoint_path(run_dir, step).name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+    return fresh_temporary(checkpoint_path(run_dir, step))
 
 
 def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0,
