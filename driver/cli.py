@@ -88,7 +88,14 @@ def parse_args(argv):
                                                          "declaring the target's GPUs when no cluster is named), start "
                                                          "one placeholder per actor, report the GPU ids Ray gives each "
                                                          "beside the plan's, then release everything")
-    for sp in (t, pre, e, s, r, c, sc, d, pl):
+    x = sub.add_parser("export", help="a run's trained models as diffusers, transformers and PEFT load them, with a "
+                                      "model card (driver/export.py)")
+    x.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its latest checkpoint, or --step's)")
+    x.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder to write into")
+    x.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the latest)")
+    x.add_argument("--merge-lora", action="store_true", help="merge each LoRA adapter into its base and write the "
+                                                             "whole model (default: the adapter alone)")
+    for sp in (t, pre, e, s, r, c, sc, d, pl, x):
         sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes; on a run, "
                                                        "its keys are applied on top of the run's saved config)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -520,6 +527,16 @@ def run_plan(args) -> int:
     return 0
 
 
+def run_export(args) -> int:
+    """`jointrl export`: what it wrote, a line each."""
+    from driver.export import export
+    run = Path(args.run_dir)
+    config = run_config(run, "RUN_DIR", args.overrides, layer=args.config)
+    for line in export(run, Path(args.out), args.step, args.merge_lora, config):
+        print(f"jointrl: wrote {line}")
+    return 0
+
+
 def run_config_docs(args) -> int:
     """`jointrl config show|keys`: the schema's documentation; show skips the preflight checks, so a
     config that names models or files absent here can still be read."""
@@ -543,7 +560,7 @@ def main(argv=None) -> int:
     try:
         return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
                 "report": run_report, "config": run_config_docs, "score": run_score,
-                "download": run_download, "plan": run_plan}[args.command](args)
+                "download": run_download, "plan": run_plan, "export": run_export}[args.command](args)
     except SettingError as e:
         return config_error(e)
     except KeyboardInterrupt as stop:  # a second signal (StopNow) or Ctrl-C outside a run

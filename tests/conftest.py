@@ -69,6 +69,14 @@ def make_config(*overrides: str, preset: str = "shapes"):
     return load_config(preset, [*start, *overrides])
 
 
+def trained_inline(run_dir, preset: str, steps: int):
+    """`jointrl train --config preset` of `steps` steps in one process into `run_dir`, as a user runs it."""
+    from driver import cli
+    assert cli.main(["train", "--config", preset, "--set", "cluster.mode=inline", "--set", f"trainer.steps={steps}",
+                     "--run-dir", str(run_dir)]) == 0
+    return run_dir
+
+
 def run_training(config, run_dir, inspect_weights: tuple[str, ...] = ()):
     """Train `config` to completion; returns (metric rows, the driver's inspect(), weights asked for)."""
     if config.trainer.run_name is None:

@@ -9,6 +9,7 @@ import pytest
 
 from driver import cli
 from tasks.shapes import MAX_PROMPT_WORDS
+from tests.conftest import trained_inline
 
 
 def read_png(path: Path) -> np.ndarray:
@@ -23,10 +24,7 @@ def read_png(path: Path) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("sampled") / "run"
-    assert cli.main(["train", "--config", "shapes-tiny", "--set", "cluster.mode=inline", "--set", "trainer.steps=2",
-                     "--run-dir", str(run_dir)]) == 0
-    return run_dir
+    return trained_inline(tmp_path_factory.mktemp("sampled") / "run", "shapes-tiny", steps=2)
 
 
 def test_sample_writes_the_images_and_prints_each_refinement(trained, capsys):
