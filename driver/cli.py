@@ -95,7 +95,15 @@ def parse_args(argv):
     x.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the latest)")
     x.add_argument("--merge-lora", action="store_true", help="merge each LoRA adapter into its base and write the "
                                                              "whole model (default: the adapter alone)")
-    for sp in (t, pre, e, s, r, c, sc, d, pl, x):
+    sv = sub.add_parser("serve-reward", help="serve one reward term over HTTP, for runs whose term is fn: http "
+                                             "(driver/serve_reward.py; the protocol: tasks/rewards/http.py)")
+    sv.add_argument("--term", required=True, metavar="NAME", help="a reward term of the config, or a built-in with "
+                                                                  "its default options")
+    sv.add_argument("--host", default="127.0.0.1", help="the address to bind (default the loopback; any other "
+                                                         "requires JOINTRL_REWARD_TOKEN)")
+    sv.add_argument("--port", type=int, default=8700, help="the port (0: any free one, printed)")
+    sv.add_argument("--max-request-mb", type=float, default=256.0, help="larger requests are refused (413)")
+    for sp in (t, pre, e, s, r, c, sc, d, pl, x, sv):
         sp.add_argument("--config", default=None, help="a preset name or a YAML path (default: shapes; on a run, "
                                                        "its keys are applied on top of the run's saved config)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -537,6 +545,11 @@ def run_export(args) -> int:
     return 0
 
 
+def run_serve_reward(args) -> int:
+    from driver.serve_reward import run_serve_reward as serve
+    return serve(args)
+
+
 def run_config_docs(args) -> int:
     """`jointrl config show|keys`: the schema's documentation; show skips the preflight checks, so a
     config that names models or files absent here can still be read."""
@@ -560,7 +573,8 @@ def main(argv=None) -> int:
     try:
         return {"train": run_train, "pretrain": run_pretrain, "eval": evaluate, "sample": run_sample,
                 "report": run_report, "config": run_config_docs, "score": run_score,
-                "download": run_download, "plan": run_plan, "export": run_export}[args.command](args)
+                "download": run_download, "plan": run_plan, "export": run_export,
+                "serve-reward": run_serve_reward}[args.command](args)
     except SettingError as e:
         return config_error(e)
     except KeyboardInterrupt as stop:  # a second signal (StopNow) or Ctrl-C outside a run

@@ -270,6 +270,8 @@ def term_problems(key: str, term) -> list[str]:
     if gone := missing(*(found.imports(options) if hasattr(found, "imports") else getattr(found, "packages", ()))):
         extras = sorted({REWARD_EXTRAS.get(g, "hf") for g in gone})
         return [f"{key}.fn: {term.fn} needs {gone}: pip install 'jointrl[{','.join(extras)}]'"]
+    if term.fn == "http":
+        return server_problems(key, options)
     problems = []
     for field in MODEL_OPTIONS:
         if isinstance(value := getattr(options, field, None), str):
@@ -281,6 +283,19 @@ def term_problems(key: str, term) -> list[str]:
         if isinstance(value := getattr(options, field, None), str) and not Path(value).is_file():
             problems.append(f"{key}.{field}: no file at '{value}'")
     return problems
+
+
+def server_problems(key: str, options) -> list[str]:
+    """A term scored by a reward server (`fn: http`): the server answers its health check."""
+    import os
+
+    from tasks.rewards.http import describe, health
+    try:
+        health(options.url, timeout_s=min(5.0, options.timeout_s), token=os.environ.get(options.token_env))
+    except (OSError, ValueError) as e:
+        return [f"{key}.url: no reward server answers at {options.url} ({describe(e)}); start one with "
+                f"`jointrl serve-reward --term NAME`"]
+    return []
 
 
 def download_line(source: str, overrides) -> str:

@@ -86,12 +86,17 @@ def run_training(config, run_dir, inspect_weights: tuple[str, ...] = ()):
     info = get(driver.inspect.remote())
     weights = {e: get(get(driver.expert_weights.remote(e))) for e in inspect_weights}
     stop_driver(driver)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     return rows, info, weights
 
 
 def mean(rows, key):
     return sum(r[key] for r in rows) / len(rows)
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def training_metrics(rows: list[dict]) -> list[dict]:
@@ -129,7 +134,7 @@ def run_killing(config, run_dir, kills: list[tuple[int, str]]) -> tuple[list[dic
     get(done)
     info = get(driver.inspect.remote())
     stop_driver(driver)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], info
+    return read_metrics(run_dir), info
 
 
 def looks_like_a_picture(path, min_size=(300, 200)) -> None:

@@ -19,6 +19,7 @@ BUILTINS = {
     "length": "tasks.rewards.text:Length",
     "faithful": "tasks.rewards.text:Faithful",
     "temporal_consistency": "tasks.rewards.temporal:TemporalConsistency",
+    "http": "tasks.rewards.http:HttpReward",
     "shapes_image": "tasks.rewards.shapes:ShapesImage",
     "shapes_fidelity": "tasks.rewards.shapes:ShapesFidelity",
     "shapes_style": "tasks.rewards.shapes:ShapesStyle",
