@@ -57,7 +57,8 @@ def pool_names(config) -> dict[str, list[str]]:
 def spawn_pools(config, runtime) -> dict[str, list]:
     """Every pooled term's actors (`pool_names`)."""
     pools = config.reward.pools()
-    return {term: [runtime.spawn_member(RewardActor, config, term, k, name=name, resources=pools[term][1])
+    return {term: [runtime.spawn_member(RewardActor, config, term, k, name=name, resources=pools[term][1],
+                                        runtime_env=config.reward.terms[term].runtime_env)
                    for k, name in enumerate(names)]
             for term, names in pool_names(config).items()}
 

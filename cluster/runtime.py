@@ -117,15 +117,18 @@ class Runtime:
             handle = self.members.inline[name] = InlineHandle(cls(*args))
             return handle
         options = {"num_cpus": 0, **options}
-        if env := actor_env(options):
-            options["runtime_env"] = {"env_vars": env}
+        own = options.pop("runtime_env", None) or {}  # a reward term's own (reward.terms.<name>.runtime_env)
+        if (env := {**actor_env(options), **own.get("env_vars", {})}) or own:
+            options["runtime_env"] = {**own, **({"env_vars": env} if env else {})}
         groups = getattr(cls, "CONCURRENCY_GROUPS", None)  # its methods' groups besides the default one
         actor = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
         return actor.options(name=f"{self.run_name}/{name}", namespace="jointrl", **options).remote(*args)
 
-    def spawn_member(self, cls, *args, name: str, resources=None):
+    def spawn_member(self, cls, *args, name: str, resources=None, runtime_env: dict | None = None):
         """An actor of the run: Ray restarts it when it dies (its state is restored by whoever holds
-        it), it reserves `resources`, and it runs in its placement bundle if it reserved one."""
+        it), it reserves `resources`, and it runs in its placement bundle if it reserved one, in
+        `runtime_env` besides the environment every actor is given."""
         options = {**(resources.options() if resources else {}),  # the placement's share of a GPU overrides the ask
-                   **(self.placement.options.get(name, {}) if self.placement else {})}
+                   **(self.placement.options.get(name, {}) if self.placement else {}),
+                   **({"runtime_env": runtime_env} if runtime_env else {})}
         return self.spawn(cls, *args, name=name, max_restarts=self.max_restarts, max_task_retries=0, **options)

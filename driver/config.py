@@ -374,6 +374,10 @@ class RewardConfig(Strict):
                 raise ValueError(f"reward.terms.{name}.images_per_call={term.images_per_call}: the term is scored "
                                  f"by each rollout worker, not by reward actors (reward.terms.{name}.actors, "
                                  f"reward.actors); its scorer's own `batch_size` sets its forward passes")
+            if term.runtime_env is not None and name not in pools:
+                raise ValueError(f"reward.terms.{name}.runtime_env: the term is scored by each rollout worker, in "
+                                 f"the worker's environment; set reward.terms.{name}.actors=1 (or more) for reward "
+                                 f"actors of its own environment")
         return self
 
     def pools(self) -> dict[str, tuple[int, Resources]]:
@@ -518,6 +522,16 @@ class Config(Strict):
     plan: PlanConfig = Field(PlanConfig(), description="`jointrl plan`: the cluster a config is planned for")
     pretrain: PretrainConfig = Field(PretrainConfig(), description="`jointrl pretrain` of the base models")
     logging: LoggingConfig = Field(LoggingConfig(), description="metrics and images besides metrics.jsonl")
+
+    @model_validator(mode="after")
+    def _runtime_envs_need_ray(self):
+        """A term's `runtime_env` is its reward actors' Ray environment: inline, nothing applies it."""
+        if self.cluster.mode == "inline":
+            for name, term in (self.reward.terms or {}).items():
+                if term.runtime_env is not None:
+                    raise ValueError(f"reward.terms.{name}.runtime_env: cluster.mode=inline scores every term in "
+                                     f"this process, where no runtime_env applies; set cluster.mode=ray")
+        return self
 
     @model_validator(mode="after")
     def _default_terms(self):

@@ -78,3 +78,11 @@ class Slow:
         Path(self.options.started).touch()
         time.sleep(self.options.seconds)
         return shapes_image(images, prompts)
+
+
+def from_environment(images, prompts, refinements):
+    """JOINTRL_TERM_SCORE (a term's runtime_env sets it) for every sample, and HF_HUB_OFFLINE (every
+    actor is given the client's) beside it: 10 x score + 1 where it is "1"."""
+    import os
+    value = float(os.environ["JOINTRL_TERM_SCORE"]) * 10 + (os.environ.get("HF_HUB_OFFLINE") == "1")
+    return np.full(len(prompts), value)

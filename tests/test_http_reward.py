@@ -169,3 +169,33 @@ def test_a_server_off_the_loopback_needs_a_token_and_with_one_every_request_brin
             served(url)(images(), PROMPTS, REFINED)
     finally:
         server.shutdown()
+
+
+def test_a_terms_runtime_env_reaches_its_reward_actors_beside_every_actors_environment(ray_session, monkeypatch):
+    import ray
+
+    from cluster.reward_pool import spawn_pools
+    from cluster.runtime import Runtime
+    from tests.conftest import make_config
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a client's hub setting, which every actor is given
+    config = make_config("cluster.mode=ray", "reward.terms.env={fn: tests.faulty_rewards:from_environment, weight: 0.0, "
+                         "actors: 1, runtime_env: {env_vars: {JOINTRL_TERM_SCORE: '0.25'}}}", preset="shapes-tiny")
+    pools = spawn_pools(config, Runtime("ray", "test-runtime-env"))
+    try:
+        (actor,) = pools["env"]
+        assert list(ray.get(actor.score.remote(images(), PROMPTS, REFINED))) == [3.5, 3.5]
+    finally:
+        for actors in pools.values():
+            for a in actors:
+                ray.kill(a)
+
+
+@pytest.mark.parametrize("sets, says", [
+    (["reward.terms.env={fn: tests.faulty_rewards:from_environment, actors: 0, runtime_env: {env_vars: {A: '1'}}}"],
+     "reward.terms.env.runtime_env: the term is scored by each rollout worker"),
+    (["cluster.mode=inline", "reward.terms.env={fn: tests.faulty_rewards:from_environment, actors: 1, "
+                             "runtime_env: {env_vars: {A: '1'}}}"], "cluster.mode=inline scores every term")])
+def test_a_runtime_env_where_nothing_applies_it_is_refused(sets, says, capsys, tmp_path):
+    assert cli.main(["train", "--config", "shapes-tiny", *(a for s in sets for a in ("--set", s)),
+                     "--run-dir", str(tmp_path / "run")]) == 2
+    assert says in capsys.readouterr().err and not (tmp_path / "run").exists()

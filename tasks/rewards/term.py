@@ -1,6 +1,6 @@
 """One reward term's config section (`reward.terms.<name>`) and the scorer it builds.
 
-Keys beyond `fn`, `weight`, `actors`, `resources`, `images_per_call` and `per_frame` are the scorer's options: a
+Keys beyond `fn`, `weight`, `actors`, `resources`, `images_per_call`, `runtime_env` and `per_frame` are the scorer's options: a
 built-in declares them in its `Options` (unknown keys are config errors, named with the term); a
 user's class may declare them the same way; a plain function takes none. Two batch sizes meet
 here: `images_per_call` is how many images a rollout worker sends one of the term's reward actors
@@ -13,6 +13,8 @@ a video task only), or nothing (a text term, or a user's code that does not say:
 the task makes).
 """
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
@@ -41,6 +43,11 @@ class TermConfig(Strict):
                                                 "then runs a call in forward passes of its own `batch_size`); "
                                                 "None: the whole batch in one call. Only for a term scored "
                                                 "by reward actors")
+    runtime_env: dict[str, Any] | None = Field(None, description="Ray's runtime_env for this term's reward "
+                                               "actors (env_vars, working_dir, py_executable, pip, …), so a reward "
+                                               "with dependencies of its own runs in its own environment; "
+                                               "env_vars are added to those every actor is given. Only for a term "
+                                               "scored by reward actors in ray mode")
     per_frame: PerFrameConfig | None = Field(None, description="a video task: score this image term on "
                                              "`frames` frames of each clip (evenly spaced, the first and last "
                                              "among them) and `reduce` them (mean|min) to one value per clip; "
