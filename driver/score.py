@@ -162,7 +162,7 @@ def score_folder(config: Config, name: str, term, prompts_file: str, folder: Pat
         raise SettingError(f"reward.terms.{name}: the term could not be built ({type(e).__name__}: {e}). "
                           f"Nothing was scored.") from None
     options = term.options()
-    scores, strict = np.empty(len(files)), np.empty(len(files)) if hasattr(scorer, "strict") else None
+    scores, strict = np.empty(len(files)), np.empty(len(files)) if getattr(scorer, "strict", None) else None
     for rows in chunks(sizes, getattr(options, "batch_size", CHUNK)):
         images = np.stack([as_generated(read_image(f)) for f in files[rows]])
         batch = prompts[rows]

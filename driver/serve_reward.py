@@ -70,13 +70,18 @@ class RewardHandler(BaseHTTPRequestHandler):
             return
         if self.path.rstrip("/") != "/health":
             return self.answer(404, {"error": f"no {self.path}: GET /health, POST /score"})
-        self.answer(200, {"term": self.server.name, "fn": self.server.fn})
+        self.answer(200, {"term": self.server.name, "fn": self.server.fn,
+                          "strict": getattr(self.server.scorer, "strict", None) is not None})
 
     def do_POST(self):
         if not self.authorised():
             return
-        if self.path.rstrip("/") != "/score":
-            return self.answer(404, {"error": f"no {self.path}: GET /health, POST /score"})
+        what = self.path.rstrip("/").lstrip("/")
+        score = self.server.scorer if what == "score" else getattr(self.server.scorer, "strict", None) \
+            if what == "strict" else None
+        if score is None:
+            return self.answer(404, {"error": f"no {self.path}: GET /health, POST /score"
+                                              f"{', POST /strict' if getattr(self.server.scorer, 'strict', None) else ''}"})
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
@@ -90,10 +95,10 @@ class RewardHandler(BaseHTTPRequestHandler):
         except ValueError as e:
             return self.answer(400, {"error": " ".join(str(e).split())[:400]})
         try:
-            scores = np.asarray(self.server.scorer(images, prompts, refinements), dtype=np.float64)
+            scores = np.asarray(score(images, prompts, refinements), dtype=np.float64)
         except Exception as e:  # the term's own failure: the client's guard counts it
             return self.answer(500, {"error": f"reward.terms.{self.server.name}: {one_line(e)}"})
-        self.answer(200, {"scores": [float(s) if np.isfinite(s) else None for s in scores]})
+        self.answer(200, {"scores" if what == "score" else what: [float(s) if np.isfinite(s) else None for s in scores]})
 
 
 def server_for(config, name: str, term, host: str, port: int, max_request_mb: float) -> RewardServer:

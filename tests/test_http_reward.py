@@ -199,3 +199,26 @@ def test_a_runtime_env_where_nothing_applies_it_is_refused(sets, says, capsys, t
     assert cli.main(["train", "--config", "shapes-tiny", *(a for s in sets for a in ("--set", s)),
                      "--run-dir", str(tmp_path / "run")]) == 2
     assert says in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_a_served_terms_strict_correctness_is_read_where_it_has_one():
+    """GenEval's strict (every clause holds) travels with its scores; a term without one serves none."""
+    import torch
+
+    from tasks.prompt_data import load_prompts
+    from tasks.rewards.term import build_scorer
+    url, server = in_process("geneval")
+    text_url, text_server = in_process("length")
+    try:
+        _, term = term_config("prompts-tiny", [], "geneval")
+        own = build_scorer(term, torch.device("cpu"), "geneval")
+        prompts = load_prompts("configs/data/geneval-tiny-eval.jsonl")  # one of each tag, twice
+        pictures, refined = images(len(prompts)), [{} for _ in prompts]
+        client = served(url)
+        assert client.strict is not None and served(text_url).strict is None
+        strict = client.strict(pictures, prompts, refined)
+        assert np.array_equal(strict, own.strict(pictures, prompts, refined)) and 0 < strict.mean() < 1
+        assert np.array_equal(client(pictures, prompts, refined), own(pictures, prompts, refined))
+    finally:
+        server.shutdown()
+        text_server.shutdown()

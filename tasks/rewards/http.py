@@ -10,7 +10,9 @@ The protocol, JSON in and out (no pickle), one POST per batch of at most `batch_
      "refinements": [{"<refiner id>": {"text": str, "ended": bool, "formatted": bool|null}, ...}, ...]}
     -> 200 {"scores": [float|null, ...]}               one per sample, null where it cannot score it
     -> 400 {"error": "<one line>"}                     a request that is not the protocol
-    GET <url>/health -> 200 {"term": str, "fn": str}
+    POST <url>/strict  the same body -> 200 {"strict": [0|1|null, ...]}   where the term has a strict
+                       correctness (GenEval's: every clause holds), for `jointrl eval`
+    GET <url>/health -> 200 {"term": str, "fn": str, "strict": bool}
 
 Images travel as 8-bit RGB PNGs, as reward models read them (a term reading the generator's float
 values sees them rounded to the 8-bit value, taken at the middle of its bin). Refinements are
@@ -101,38 +103,58 @@ def read_body(body: dict) -> tuple[np.ndarray | None, list, list[dict[str, Refin
 
 
 class HttpReward(RewardModel):
-    """A term scored by the reward server at `url`."""
+    """A term scored by the reward server at `url`; with a strict correctness (`strict`, for `jointrl
+    eval`) where the server's term has one (its /health says so), else `strict` is None."""
     Options = HttpOptions
+
+    def __init__(self, options: HttpOptions, device):
+        super().__init__(options, device)
+        try:
+            has_strict = bool(health(options.url, min(5.0, options.timeout_s),
+                                     os.environ.get(options.token_env)).get("strict"))
+        except (OSError, ValueError, AttributeError):  # not answering now: scoring retries, and is counted
+            has_strict = False
+        self.strict = self.strict_scores if has_strict else None
 
     def __call__(self, images: np.ndarray, prompts: Sequence[Any],
                  refinements: Sequence[dict[str, Refinement]]) -> np.ndarray:
+        return self.ask("score", images, prompts, refinements)
+
+    def strict_scores(self, images: np.ndarray, prompts: Sequence[Any],
+                      refinements: Sequence[dict[str, Refinement]]) -> np.ndarray:
+        return self.ask("strict", images, prompts, refinements)
+
+    def ask(self, what: str, images, prompts, refinements) -> np.ndarray:
+        """POST <url>/<what> ("score" or "strict") in batches: one value per sample."""
         out = np.empty(len(prompts))
         for rows in self.batches(len(prompts)):
             body = request_body(None if images is None else images[rows], prompts[rows], refinements[rows])
-            out[rows] = self.scores(body, rows.stop - rows.start)
+            out[rows] = self.values(what, body, rows.stop - rows.start)
         return out
 
-    def scores(self, body: dict, n: int) -> np.ndarray:
+    def values(self, what: str, body: dict, n: int) -> np.ndarray:
         data = json.dumps(body).encode()
         for attempt in range(self.options.retries + 1):
             try:
-                answer = post(self.options.url, data, self.options.timeout_s, os.environ.get(self.options.token_env))
+                answer = post(self.options.url, what, data, self.options.timeout_s,
+                              os.environ.get(self.options.token_env))
                 break
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 if isinstance(e, urllib.error.HTTPError) and e.code < 500 or attempt == self.options.retries:
                     raise RuntimeError(f"the reward server at {self.options.url}: {describe(e)}") from None
                 time.sleep(0.5 * (attempt + 1))
-        scores = answer.get("scores") if isinstance(answer, dict) else None
+        key = "scores" if what == "score" else what
+        scores = answer.get(key) if isinstance(answer, dict) else None
         if not isinstance(scores, list) or len(scores) != n \
                 or not all(s is None or isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores):
             raise ValueError(f"the reward server at {self.options.url} answered {str(answer)[:120]!r}, not "
-                             f"{{\"scores\": [{n} numbers or null]}}")
+                             f"{{\"{key}\": [{n} numbers or null]}}")
         return np.array([np.nan if s is None else s for s in scores], dtype=np.float64)
 
 
-def post(url: str, data: bytes, timeout_s: float, token: str | None) -> Any:
+def post(url: str, what: str, data: bytes, timeout_s: float, token: str | None) -> Any:
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    request = urllib.request.Request(url.rstrip("/") + "/score", data=data, headers=headers, method="POST")
+    request = urllib.request.Request(f"{url.rstrip('/')}/{what}", data=data, headers=headers, method="POST")
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         raw = response.read()
     try:
