@@ -10,7 +10,7 @@ Per expert, in `DIR/<expert id>/`:
   named in the card, not copied. A velocity holding Wan2.2-A14B's low-noise transformer writes it
   to `transformer_2/` (diffusers loads its LoRA with `load_into_transformer_2=True`);
 - a Hugging Face refiner (`hf_causal_lm`): under LoRA, a PEFT adapter folder naming its base model
-  and revision (`PeftModel.from_pretrained`; vLLM's `LoRARequest`); a full fine-tune (or merged) as a
+  and revision (`PeftModel.from_pretrained`; the format vLLM's `LoRARequest` reads); a full fine-tune (or merged) as a
   folder `AutoModelForCausalLM.from_pretrained` and vLLM load. Either with its tokenizer and chat
   template, a generation_config.json that samples as the run did (temperature, no top-k or top-p,
   max_new_tokens), and `refiner.json` with the system prompt and answer tag it was trained with;

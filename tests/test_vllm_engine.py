@@ -259,3 +259,24 @@ def test_an_engine_without_a_kv_cache_size_is_planned_at_its_share_of_the_device
         worker("experts.refiner_defaults.vllm.gpu_memory_utilization=0.5")
     sized = worker("experts.refiner_defaults.vllm.kv_cache_gib=0.05")
     assert sized.bytes["KV cache: refiner_0 (vLLM engine)"] == int(0.05 * 2 ** 30)
+
+
+@needs_vllm
+def test_vllm_serves_an_exported_refiner_as_the_trainer_that_made_it(lms, tmp_path, one_thread):
+    """`jointrl export`'s folder of a fully trained refiner, loaded by vLLM: its samples' log-probs
+    are the trained model's (within the engine's gap), not the base's (an update moved them)."""
+    from driver.export import export_hf_refiner
+    config = engine_config(lms["qwen2"])
+    trainer = build_model(config, "refiner_0")
+    prompts = prompts_of(trainer)
+    tokens, logps, mask = trainer.sample(prompts, torch.rand(len(prompts), NEW_TOKENS,
+                                                             generator=torch.Generator().manual_seed(0)))
+    one_update(trainer, prompts, tokens, logps, mask)
+    with torch.no_grad():
+        moved = gap(trainer.token_logprobs(prompts, tokens, mask), logps, mask).mean()
+    export_hf_refiner(trainer, config.expert("refiner_0"), tmp_path / "refiner_0", merge_lora=False)
+    engine = build_model(engine_config(tmp_path / "refiner_0"), "refiner_0", serving=True)
+    served, served_logps, served_mask = engine.sample(prompts, seeds=list(range(len(prompts))))
+    with torch.no_grad():
+        trained = trainer.token_logprobs(prompts, served, served_mask)
+    assert gap(served_logps, trained, served_mask).mean() <= 1e-3 < moved
