@@ -92,6 +92,12 @@ def sampled_by_jointrl(path: str, guidance: float, steps: int, *extra: str, dtyp
     start from the same values."""
     velocity, frontend = parts(family_config(path, f"experts.generator.model.guidance_scale={guidance}",
                                              f"experts.generator.model.dtype={dtype}", *extra))
+    return sampled_with(velocity, frontend, steps, dtype)
+
+
+def sampled_with(velocity, frontend, steps: int, dtype: str = "float32") -> Sampled:
+    """jointrl's deterministic sampling of PROMPTS with `velocity` and `frontend`, from initial
+    latents representable in `dtype`."""
     latents = initial_latents(frontend, len(PROMPTS)).to(DTYPES[dtype]).float()
     with timesteps_given(velocity.transformer) as timesteps:
         final, image = jointrl_ode(velocity, frontend, PROMPTS, latents, steps)

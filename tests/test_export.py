@@ -13,10 +13,11 @@ from driver.export import export_diffusers_generator, trained_model
 from experts import state_file
 from experts.kinds import build_model
 from tests.conftest import trained_inline
-from tests.family_check import family_config
+from tests.family_check import PROMPTS, assert_equals_pipeline, family_config, pipeline_sampled, sampled_with
 
 CLIP = ["task.num_frames=5", "task.image_width=64", "reward.terms.image.per_frame={frames: 5, reduce: mean}"]
 FAMILIES = {"sd3": [], "flux1": [], "flux2_klein": [], "qwen_image": [], "wan2.1": CLIP, "wan2.2_a14b": CLIP}
+STEPS = 4
 # what the tiny SD3 lacks, as tests/test_family_sd3.py loads its pipeline
 ABSENT = {"sd3": dict(text_encoder_3=None, tokenizer_3=None, image_encoder=None, feature_extractor=None)}
 
@@ -94,6 +95,31 @@ def test_the_exported_generator_lora_is_the_runs_in_diffusers_and_merged_it_is_t
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(merged / "refiner_1")(input_ids=ids).logits,
                                    refiner.lm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     assert not (merged / "refiner_1" / "adapter_config.json").exists()
+
+
+def test_diffusers_samples_with_the_exported_lora_as_the_run_samples(run, tmp_path):
+    """The run's trained generator (its velocity and front end, deterministic sampling) and diffusers'
+    StableDiffusion3Pipeline with the exported LoRA loaded: the same prompts and initial latents
+    give the same timesteps, latents and images (tests/family_check.py's bar in float32, 1e-5)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from experts.frontend import build_frontend
+    out = tmp_path / "out"
+    assert cli.main(["export", str(run), "--out", str(out)]) == 0
+    config, velocity = the_runs_model(run, "generator")
+    ours = sampled_with(velocity, build_frontend(config), STEPS)
+    pipe = StableDiffusion3Pipeline.from_pretrained(local_model("tiny:sd3"), **ABSENT["sd3"])
+    pipe.load_lora_weights(out / "generator")
+    g, size = config.experts.generator.model, config.task.image_size
+    final, pixels, timesteps = pipeline_sampled(pipe, ours.latents, prompt=PROMPTS, num_inference_steps=STEPS,
+                                                guidance_scale=g.guidance_scale,
+                                                max_sequence_length=g.max_sequence_length, height=size, width=size)
+    assert_equals_pipeline(ours, ours.final, final, pixels, timesteps, "float32", STEPS)
+    pipe.unload_lora_weights()  # the base alone samples otherwise: the adapter is in what was compared
+    base, _, _ = pipeline_sampled(pipe, ours.latents, prompt=PROMPTS, num_inference_steps=STEPS,
+                                  guidance_scale=g.guidance_scale, max_sequence_length=g.max_sequence_length,
+                                  height=size, width=size)
+    assert (base - final).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
