@@ -39,7 +39,7 @@ def main() -> int:
     from tasks.rewards.http import HttpOptions, HttpReward, request_body
     config, term = term_config("prompts-tiny", [], "clip_score")
     own = resolve(term.fn)(term.options(), torch.device("cpu"))
-    server = server_for(config, "clip_score", term, "127.0.0.1", 0, 1024)
+    server = server_for(config, "clip_score", term, host="127.0.0.1", port=0, max_request_mb=1024)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     remote = HttpReward(HttpOptions(url=f"http://127.0.0.1:{server.server_address[1]}", batch_size=16), None)
     prompts = [TextPrompt(f"a photo of object {i}") for i in range(16)]

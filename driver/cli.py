@@ -540,7 +540,7 @@ def run_export(args) -> int:
     from driver.export import export
     run = Path(args.run_dir)
     config = run_config(run, "RUN_DIR", args.overrides, layer=args.config)
-    for line in export(run, Path(args.out), args.step, args.merge_lora, config):
+    for line in export(run, Path(args.out), step=args.step, merge_lora=args.merge_lora, config=config):
         print(f"jointrl: wrote {line}")
     return 0
 

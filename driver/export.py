@@ -125,7 +125,7 @@ def export_own_model(model, folder: Path) -> list[str]:
     return [f"{folder / 'model.safetensors'}: {type(model).__name__}, a model of jointrl's own (only jointrl loads it)"]
 
 
-def export(run_dir: Path, out: Path, step: int | None, merge_lora: bool, config) -> list[str]:
+def export(run_dir: Path, out: Path, *, step: int | None, merge_lora: bool, config) -> list[str]:
     """Every expert of the run at its checkpoint of `step` (None: the latest) into `out`, and the
     card; the lines of what was written."""
     ckpt = checkpoint_to_export(run_dir, step)
@@ -153,7 +153,7 @@ def export(run_dir: Path, out: Path, step: int | None, merge_lora: bool, config)
         else:
             written += export_own_model(model, folder)
     shutil.copy(run_dir / "config.yaml", out / "jointrl_config.yaml")
-    (out / "README.md").write_text(model_card(run_dir, ckpt, config, merge_lora, notes))
+    (out / "README.md").write_text(model_card(run_dir, ckpt, config=config, merge_lora=merge_lora, notes=notes))
     return [*written, f"{out / 'README.md'}: the model card", f"{out / 'jointrl_config.yaml'}: the run's config"]
 
 
@@ -175,7 +175,7 @@ def rollouts_up_to(run_dir: Path, step: int) -> int:
     return max((r.get("rollouts", 0) for r in rows if r.get("step", 0) < step), default=0)  # a running total
 
 
-def model_card(run_dir: Path, ckpt: Path, config, merge_lora: bool, notes: list[str]) -> str:
+def model_card(run_dir: Path, ckpt: Path, *, config, merge_lora: bool, notes: list[str]) -> str:
     step = manifest(ckpt)["step"]
     lines = [f"# {config.trainer.run_name or run_dir.name}: models exported by jointrl", "",
              f"Trained jointly from one reward by jointrl (N prompt refiners and one flow-matching generator, "

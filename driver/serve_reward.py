@@ -37,7 +37,7 @@ def loopback(host: str) -> bool:
 class RewardServer(HTTPServer):
     """An HTTP server of one term's scorer (`score(images, prompts, refinements)`)."""
 
-    def __init__(self, address, name: str, fn: str, scorer, token: str | None, max_bytes: int):
+    def __init__(self, address, *, name: str, fn: str, scorer, token: str | None, max_bytes: int):
         super().__init__(address, RewardHandler)
         self.name, self.fn, self.scorer, self.token, self.max_bytes = name, fn, scorer, token, max_bytes
 
@@ -101,7 +101,7 @@ class RewardHandler(BaseHTTPRequestHandler):
         self.answer(200, {"scores" if what == "score" else what: [float(s) if np.isfinite(s) else None for s in scores]})
 
 
-def server_for(config, name: str, term, host: str, port: int, max_request_mb: float) -> RewardServer:
+def server_for(config, name: str, term, *, host: str, port: int, max_request_mb: float) -> RewardServer:
     """The term `name` of `config` built and bound (not yet serving); SettingError for what is the user's."""
     from driver.preflight import hub_problems, term_problems
     from driver.download import term_models
@@ -121,7 +121,8 @@ def server_for(config, name: str, term, host: str, port: int, max_request_mb: fl
         raise SettingError("; ".join(problems))
     scorer = sample_scorer(term, build_scorer(term, local_device(), name))
     try:
-        return RewardServer((host, port), name, term.fn, scorer, token, int(max_request_mb * 2 ** 20))
+        return RewardServer((host, port), name=name, fn=term.fn, scorer=scorer, token=token,
+                            max_bytes=int(max_request_mb * 2 ** 20))
     except OSError as e:
         raise SettingError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
 
@@ -129,7 +130,8 @@ def server_for(config, name: str, term, host: str, port: int, max_request_mb: fl
 def run_serve_reward(args) -> int:
     from driver.score import term_config
     config, term = term_config(args.config, args.overrides, args.term)
-    server = server_for(config, args.term, term, args.host, args.port, args.max_request_mb)
+    server = server_for(config, args.term, term, host=args.host, port=args.port,
+                        max_request_mb=args.max_request_mb)
     host, port = server.server_address[:2]
     print(f"jointrl: serving reward term {args.term} ({term.fn}) at http://{host}:{port}"
           f"{' (bearer token required)' if server.token else ''}", flush=True)

@@ -102,7 +102,7 @@ def _keep_locally(k: str, entry: dict) -> None:
         pass
 
 
-def remembered(kind: str, record: type[Record], folder: Path, inputs: dict, modules: list[str],
+def remembered(kind: str, record: type[Record], *, folder: Path, inputs: dict, modules: list[str],
                what: str, trace: Callable[[], Record]) -> Record:
     """The measurement of `kind` for the model in `folder` at `inputs`: read from a store if one
     holds it (and JOINTRL_REMEASURE is not set), else `trace()`d and kept in this machine's store.

@@ -346,14 +346,15 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
     if family not in FAMILIES or family not in CONDITIONING:
         raise UnknownModel(f"'{path}' holds a {family}; the generator families supported are {', '.join(FAMILIES)}")
     size = f"{image_size}x{image_width or image_size}" + (f"x{num_frames}" if num_frames else "")
-    return remembered("generator", GeneratorArchitecture, folder,
-                      {"model": architecture_inputs(model_json), "image_size": image_size, "image_width": image_width,
-                       "num_frames": num_frames},
-                      [*TRACING, "experts.flow_family", FAMILIES[family]], f"generator {path} at {size}",
-                      lambda: _trace_generator(folder, family, model_json, image_size, image_width, num_frames))
+    return remembered("generator", GeneratorArchitecture, folder=folder,
+                      inputs={"model": architecture_inputs(model_json), "image_size": image_size,
+                              "image_width": image_width, "num_frames": num_frames},
+                      modules=[*TRACING, "experts.flow_family", FAMILIES[family]], what=f"generator {path} at {size}",
+                      trace=lambda: _trace_generator(folder, family, model_json=model_json, image_size=image_size,
+                                                     image_width=image_width, num_frames=num_frames))
 
 
-def _trace_generator(folder: Path, family: str, model_json: str, image_size: int, image_width: int | None,
+def _trace_generator(folder: Path, family: str, *, model_json: str, image_size: int, image_width: int | None,
                      num_frames: int | None) -> GeneratorArchitecture:
     from experts.families import FAMILIES
     from experts.generator import DiffusersFlowConfig
@@ -438,8 +439,9 @@ class LMArchitecture:
 @functools.lru_cache(maxsize=16)
 def _lm(path: str, revision: str | None, model_json: str) -> LMArchitecture:
     folder = config_folder(path, revision)
-    return remembered("lm", LMArchitecture, folder, {"model": architecture_inputs(model_json)},
-                      [*TRACING, "experts.hf_refiner"], f"refiner {path}", lambda: _trace_lm(folder, model_json))
+    return remembered("lm", LMArchitecture, folder=folder, inputs={"model": architecture_inputs(model_json)},
+                      modules=[*TRACING, "experts.hf_refiner"], what=f"refiner {path}",
+                      trace=lambda: _trace_lm(folder, model_json))
 
 
 def _trace_lm(folder: Path, model_json: str) -> LMArchitecture:
@@ -484,8 +486,8 @@ class RewardArchitecture:
 def reward_architecture(path: str, dtype: str, revision: str | None = None) -> RewardArchitecture:
     """A reward model (a transformers checkpoint) in `dtype`: its count and one image's working set."""
     folder = config_folder(path, revision)
-    return remembered("reward", RewardArchitecture, folder, {"dtype": dtype}, TRACING, f"reward model {path} in {dtype}",
-                      lambda: _trace_reward(folder, dtype))
+    return remembered("reward", RewardArchitecture, folder=folder, inputs={"dtype": dtype}, modules=TRACING,
+                      what=f"reward model {path} in {dtype}", trace=lambda: _trace_reward(folder, dtype))
 
 
 def _trace_reward(folder: Path, dtype: str) -> RewardArchitecture:

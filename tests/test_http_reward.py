@@ -41,7 +41,7 @@ def served_clip_score():
 def in_process(term: str, config: str = "prompts-tiny", max_mb: float = 256.0, host: str = "127.0.0.1"):
     """The term `term` of `config` served from a thread of this process: (its URL, the server)."""
     config, found = term_config(config, [], term)
-    server = server_for(config, term, found, host, 0, max_mb)
+    server = server_for(config, term, found, host=host, port=0, max_request_mb=max_mb)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{server.server_address[1]}", server
 
@@ -156,7 +156,7 @@ def test_a_url_that_does_not_answer_stops_the_run_at_preflight(tmp_path, capsys)
 def test_a_server_off_the_loopback_needs_a_token_and_with_one_every_request_brings_it(monkeypatch):
     config, term = term_config("prompts-tiny", [], "length")
     with pytest.raises(SettingError, match="requires a bearer token: set JOINTRL_REWARD_TOKEN"):
-        server_for(config, "length", term, "0.0.0.0", 0, 1.0)
+        server_for(config, "length", term, host="0.0.0.0", port=0, max_request_mb=1.0)
     monkeypatch.setenv("JOINTRL_REWARD_TOKEN", "s3cret")
     url, server = in_process("length", host="0.0.0.0")
     try:

@@ -51,9 +51,9 @@ def traces(monkeypatch):
     for name in ("_trace_generator", "_trace_lm", "_trace_reward"):
         original = getattr(memory, name)
 
-        def counted(folder, *args, _original=original, _name=name):
+        def counted(folder, *args, _original=original, _name=name, **kwargs):
             seen.append((_name, Path(folder)))
-            return _original(folder, *args)
+            return _original(folder, *args, **kwargs)
         monkeypatch.setattr(memory, name, counted)
     return seen
 
