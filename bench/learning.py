@@ -300,10 +300,10 @@ def final(values: np.ndarray) -> float:
     return float(values[-FINAL_EVALS:].mean())
 
 
-def rollouts_to_reach(run: dict, target: float) -> float:
-    """Rollouts at the first evaluation where the mean of it and the one before reaches `target`;
-    NaN if none does."""
-    curve = used(run)
+def rollouts_to_reach(run: dict, target: float, name: str = "held_out") -> float:
+    """Rollouts at the first evaluation where the mean of it and the one before reaches `target` on
+    the evaluation set `name`; NaN if none does."""
+    curve = used(run, name)
     pairs = np.convolve(curve, np.ones(SMOOTH) / SMOOTH, mode="valid")  # pairs[i]: evaluations i, i+1
     hit = np.nonzero(pairs >= target - 1e-9)[0]
     return float(run["rollouts"][hit[0] + SMOOTH - 1]) if len(hit) else float("nan")

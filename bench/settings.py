@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from driver.config import load_config  # noqa: E402
 from learning import (BENCH, DIAGNOSTICS, METHODS, REFINERS, code_digest, final, finished, fmt, load,  # noqa: E402
-                      method_sets, run_one, run_path, summarise, used)
+                      method_sets, rollouts_to_reach, run_one, run_path, summarise, used)
 
 LOW_DIVERSITY = ["experts.generator.same_initial_noise=true", "experts.generator.noise_level=0.1"]
 RARE = ["task.rare_wording=0.5", f"experts.base={ROOT / 'configs' / 'bases' / 'shapes-rare'}"]
@@ -77,6 +77,8 @@ def parse_args():
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the report and plot go")
     p.add_argument("--name", default=None, help="the report's and plot's file name (default settings[-quick])")
     p.add_argument("--work", type=Path, default=None, help="where runs go (default runs/bench-settings[-quick])")
+    p.add_argument("--report-only", action="store_true", help="rewrite the report and plot from the finished runs in "
+                                                              "--work, whatever code made them (trains nothing)")
     return p.parse_args()
 
 
@@ -84,15 +86,33 @@ def cell_stats(runs: dict[str, dict[int, dict]]) -> tuple[dict, dict]:
     """learning.summarise's per-method figures, with the rare-worded held-out accuracy, its drop
     from the usual wording, and each diagnostic at the start and the end (mean over seeds)."""
     stats, info = summarise(runs)
+    rare_ratio = rare_rollouts(runs)
     for method, seeds in runs.items():
         s = stats[method]
         has_rare = all(f"{RARE_SET}/{r['mode']}" in r["curve"] for r in seeds.values())
         s["rare"] = [final(used(r, RARE_SET)) for r in seeds.values()] if has_rare else []
         s["rare_drop"] = [h - r for h, r in zip(s["held"], s["rare"])]
+        s["rare_ratio"], s["rare_missed"] = rare_ratio.get(method, ([], 0))
         s["diagnostics"] = {key: tuple(float(np.mean([r["diagnostics"][key][i] for r in seeds.values()]))
                                        for i in (0, 1))
                             for key in DIAGNOSTICS if all(key in r["diagnostics"] for r in seeds.values())}
     return stats, info
+
+
+def rare_rollouts(runs: dict[str, dict[int, dict]]) -> dict[str, tuple[np.ndarray, int]]:
+    """Per method, `summarise`'s x generator-only measured on the rare-worded held-out set: rollouts to
+    generator-only's final rare-worded accuracy on the same seed over generator-only's mean (a seed
+    that never gets there counts as the whole budget), and how many seeds never do; {} where the runs
+    have no rare wording."""
+    if not all(f"{RARE_SET}/{r['mode']}" in r["curve"] for seeds in runs.values() for r in seeds.values()):
+        return {}
+    reference = runs["generator_only"]
+    target = {seed: final(used(run, RARE_SET)) for seed, run in reference.items()}
+    budget = float(next(iter(reference.values()))["rollouts"][-1])
+    reach = {m: np.array([rollouts_to_reach(r, target[seed], RARE_SET) for seed, r in seeds.items()])
+             for m, seeds in runs.items()}
+    own = float(np.nan_to_num(reach["generator_only"], nan=budget).mean())
+    return {m: (np.nan_to_num(r, nan=budget) / own, int(np.isnan(r).sum())) for m, r in reach.items()}
 
 
 def verdict(setting: str, stats: dict) -> str:
@@ -113,6 +133,15 @@ def verdict(setting: str, stats: dict) -> str:
         gd, jd = float(np.mean(g["rare_drop"])), float(np.mean(s["rare_drop"]))
         words.append(f"From the usual to the rare wording generator-only drops {gd:.3f} and {best} {jd:.3f}"
                      f" ({'larger' if gd > jd else 'not larger'} for generator-only).")
+        rare = max(joint, key=lambda m: float(np.mean(stats[m]["rare"])))
+        r = stats[rare]
+        if len(r["rare_ratio"]):
+            x, sx = float(np.mean(r["rare_ratio"])), float(np.std(r["rare_ratio"]))
+            met = not r["rare_missed"] and x <= 0.5 and sx < 0.25 and len(r["rare_ratio"]) > 1
+            words.append(f"On the rare-worded held-out prompts {rare} reaches generator-only's final accuracy there "
+                         f"with {x:.2f}x ± {sx:.2f} of its rollouts"
+                         + (f" ({r['rare_missed']} of {len(r['rare_ratio'])} seeds never do)" if r["rare_missed"] else "")
+                         + (": the bar's measure met on that set." if met else "."))
     fewer_drop = not s["rare"] or float(np.mean(g["rare_drop"])) > float(np.mean(s["rare_drop"]))
     if wins and fewer_drop:
         words.append("Joint RL **wins** here by the bar (<= 0.5x, spread < 0.25)" + (
@@ -133,26 +162,32 @@ def arrow(pair: tuple[float, float] | None) -> str:
 def write_report(path: Path, cells: dict[str, tuple[dict, dict]], meta: dict, methods: list[str]) -> None:
     quick = " --quick" if meta["quick"] else ""
     lines = [f"# When joint RL wins: PromptRL's mechanisms as settings of the shapes world{' (quick run)' if quick else ''}",
-             "", f"Written by `python bench/settings.py{quick}{meta['flags']}` on {meta['date']} in "
-             f"{meta['minutes']:.1f} min ({meta['reused']} of {meta['runs']} runs reused). {meta['seeds']} seed(s) "
+             "", (f"Rewritten by `python bench/settings.py{quick}{meta['flags']} --report-only --work "
+                  f"{meta['report_only']}` on {meta['date']} from its {meta['runs']} finished runs (the code that "
+                  f"made them is not checked). " if meta.get("report_only") else
+                  f"Written by `python bench/settings.py{quick}{meta['flags']}` on {meta['date']} in "
+                  f"{meta['minutes']:.1f} min ({meta['reused']} of {meta['runs']} runs reused). ")
+             + f"{meta['seeds']} seed(s) "
              f"per cell, {meta['steps']} steps of {meta['per_step']} rollouts each; {meta['per_category']} held-out "
              f"prompts per category, evaluated every {meta['every']} steps. Each setting starts from its own base "
              "(the rare wording's holds the rare words) and compares with its own generator-only runs.", "",
              "x generator-only: rollouts to reach generator-only's final strict held-out accuracy on the same seed, "
              "over generator-only's own (a seed that never does counts as the whole budget: >=). Rare: strict "
-             "accuracy on the same held-out prompts said in rare synonyms; drop: usual minus rare. Diagnostics: "
+             "accuracy on the same held-out prompts said in rare synonyms; drop: usual minus rare; x generator-only "
+             "(rare): the same measure on the rare-worded prompts. Diagnostics: "
              "the first step → the mean of the last ten (image zero_std: share of groups whose image term has no "
              "spread; reward_std: mean within-group standard deviation of the total; similarity: mean pairwise "
              "Pearson correlation of a group's 8x8-pooled images). Lever: the frozen base generator's strict held-out accuracy from the trained refiners' prompts minus from the "
              "base refiners'. Values: mean ± standard deviation over seeds.", "",
-             "| setting | method | x generator-only | final strict held-out | rare | drop to rare | "
-             "image zero_std | reward_std | similarity | lever |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| setting | method | x generator-only | final strict held-out | rare | drop to rare | x generator-only "
+             "(rare) | image zero_std | reward_std | similarity | lever |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for setting, (stats, _) in cells.items():
         for method, s in stats.items():
             d = s["diagnostics"]
             lines.append(f"| {setting} | {method} | {fmt(s['ratio'], 2, s['missed'])} | {fmt(s['held'])} | "
-                         f"{fmt(s['rare'])} | {fmt(s['rare_drop'])} | {arrow(d.get(DIAGNOSTICS[0]))} | "
+                         f"{fmt(s['rare'])} | {fmt(s['rare_drop'])} | {fmt(s['rare_ratio'], 2, s['rare_missed'])} | "
+                         f"{arrow(d.get(DIAGNOSTICS[0]))} | "
                          f"{arrow(d.get(DIAGNOSTICS[1]))} | {arrow(d.get(DIAGNOSTICS[2]))} | {fmt(s['lever'])} |")
     lines += ["", "## Verdicts", "", *[f"- {verdict(setting, stats)}" for setting, (stats, _) in cells.items()],
               "", "## Settings and methods", "",
@@ -164,22 +199,31 @@ def write_report(path: Path, cells: dict[str, tuple[dict, dict]], meta: dict, me
 
 
 def plot(path: Path, cells: dict[str, tuple[dict, dict]], runs: dict[str, dict]) -> None:
-    """One panel per setting: strict held-out accuracy against rollouts, generator-only and each joint
-    method on the same axes (band: min-max over seeds)."""
+    """One column per setting: strict held-out accuracy against rollouts, generator-only and each joint
+    method on the same axes (band: min-max over seeds); a second row, where a setting has a rare
+    wording, on its rare-worded prompts."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4), dpi=110, squeeze=False)
-    for ax, (setting, (_, info)) in zip(axes[0], cells.items()):
-        for i, (method, seeds) in enumerate(runs[setting].items()):
-            x = next(iter(seeds.values()))["rollouts"]
-            curves = np.stack([used(r) for r in seeds.values()])
-            ax.plot(x, curves.mean(0), label=method, marker=".", color=f"C{i}")
-            ax.fill_between(x, curves.min(0), curves.max(0), color=f"C{i}", alpha=0.1)
-        ax.axhline(info["target"], color="grey", ls="--", lw=1, label="generator-only final")
-        ax.set_title(setting, fontsize=10)
-        ax.set_xlabel("rollouts (training images)")
-    axes[0][0].set_ylabel("strict held-out accuracy (as used)")
+    rare = {s: bool(len(stats["generator_only"]["rare"])) for s, (stats, _) in cells.items()}
+    rows = 2 if any(rare.values()) else 1
+    fig, axes = plt.subplots(rows, len(cells), figsize=(4.5 * len(cells), 4 * rows), dpi=110, squeeze=False)
+    for column, (setting, (stats, info)) in enumerate(cells.items()):
+        sets = [("held_out", info["target"], "")] + (
+            [(RARE_SET, float(np.mean(stats["generator_only"]["rare"])), ": the rare-worded prompts")] if rare[setting] else [])
+        for row, (name, target, said) in enumerate(sets):
+            ax = axes[row][column]
+            for i, (method, seeds) in enumerate(runs[setting].items()):
+                x = next(iter(seeds.values()))["rollouts"]
+                curves = np.stack([used(r, name) for r in seeds.values()])
+                ax.plot(x, curves.mean(0), label=method, marker=".", color=f"C{i}")
+                ax.fill_between(x, curves.min(0), curves.max(0), color=f"C{i}", alpha=0.1)
+            ax.axhline(target, color="grey", ls="--", lw=1, label="generator-only final")
+            ax.set_title(setting + said, fontsize=10)
+            ax.set_xlabel("rollouts (training images)")
+            ax.set_ylabel("strict held-out accuracy (as used)" if column == 0 or said else "")
+        for row in range(len(sets), rows):
+            axes[row][column].axis("off")
     axes[0][0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
@@ -198,10 +242,18 @@ def main() -> int:
     overrides = {(s, m): [*bench, *SETTINGS[s], *(base_inits([*bench, *SETTINGS[s]]) if m == "promptrl_rewrite" else [])]
                  for s in args.settings for m in methods}
     sets = {(s, m, seed): method_sets(overrides[s, m], m, seed, []) for s, m, seed in jobs}
-    reused = sum(finished(run_path(work / s, m, seed, []), sets[s, m, seed], code[s]) for s, m, seed in jobs)
-    print(f"bench: {len(jobs)} runs ({reused} reused), {args.jobs} at once", flush=True)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        dirs = list(pool.map(lambda j: run_one(j[1], j[2], overrides[j[0], j[1]], [], work / j[0], code[j[0]]), jobs))
+    if args.report_only:
+        dirs = [run_path(work / s, m, seed, []) for s, m, seed in jobs]
+        missing = [str(d) for d in dirs if not (d / "lever.json").is_file()]
+        if missing:
+            sys.exit(f"bench: --report-only: no finished run in {', '.join(missing)}")
+        reused = len(jobs)
+    else:
+        reused = sum(finished(run_path(work / s, m, seed, []), sets[s, m, seed], code[s]) for s, m, seed in jobs)
+        print(f"bench: {len(jobs)} runs ({reused} reused), {args.jobs} at once", flush=True)
+        with ThreadPoolExecutor(args.jobs) as pool:
+            dirs = list(pool.map(lambda j: run_one(j[1], j[2], overrides[j[0], j[1]], [], work / j[0], code[j[0]]),
+                                 jobs))
     runs: dict[str, dict[str, dict[int, dict]]] = {s: {m: {} for m in methods} for s in args.settings}
     for (s, m, seed), d in zip(jobs, dirs):
         runs[s][m][seed] = load(d, m)
@@ -214,7 +266,8 @@ def main() -> int:
     meta = {"quick": args.quick, "flags": flags, "date": time.strftime("%Y-%m-%d"), "reused": reused,
             "minutes": (time.perf_counter() - start) / 60, "runs": len(jobs), "seeds": seeds,
             "steps": config.trainer.steps, "per_step": config.trainer.prompts_per_step * config.algorithm.group_size,
-            "per_category": config.evaluation.per_category, "every": config.evaluation.every, "bench": bench}
+            "per_category": config.evaluation.per_category, "every": config.evaluation.every, "bench": bench,
+            "report_only": str(work) if args.report_only else None}
     args.out.mkdir(parents=True, exist_ok=True)
     report, picture = args.out / f"{name}.md", args.out / f"{name}.png"
     write_report(report, cells, meta, methods)

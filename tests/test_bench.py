@@ -196,8 +196,13 @@ def test_the_settings_bench_says_where_joint_rl_wins_by_the_bar_and_why(tmp_path
     assert stats["promptrl_counterfactual"]["missed"] == 2
     assert stats["generator_only"]["rare_drop"] == pytest.approx([0.2, 0.2])
     assert stats["promptrl_replace"]["diagnostics"]["groups/zero_std/image"] == (0.1, 0.2)
+    # on the rare wording generator-only reaches its final 0.6 at 2560, the fast one at 640, the slow one at 1920
+    assert list(stats["promptrl_replace"]["rare_ratio"]) == [0.25, 0.25]
+    assert list(stats["promptrl_counterfactual"]["rare_ratio"]) == [0.75, 0.75]
     text = settings.verdict("rare_wording", stats)
     assert "promptrl_replace, needs 0.50x ± 0.00" in text and "generator-only drops 0.200" in text
+    assert "promptrl_replace reaches generator-only's final accuracy there with 0.25x ± 0.00 of its rollouts: " \
+           "the bar's measure met on that set." in text
     assert "**wins**" in text
     stats["promptrl_replace"]["rare_drop"] = [0.3, 0.3]  # reaches the target, but loses more to rare words
     assert "does not win" in settings.verdict("rare_wording", stats)
@@ -215,5 +220,6 @@ def test_the_settings_bench_says_where_joint_rl_wins_by_the_bar_and_why(tmp_path
     rows = [line for line in report.splitlines() if line.startswith("| control |") or line.startswith("| rare_wording |")]
     assert len(rows) == 5 and "| rare_wording | generator_only | 1.00 ± 0.00 | 0.800 ± 0.000 | 0.600 ± 0.000 |" in report
     assert "0.60 → 0.40" in report and "nan" not in report
+    assert "| 0.050 ± 0.000 | 0.25 ± 0.00 |" in report  # replace's drop to rare, then its x on the rare wording
     settings.plot(tmp_path / "settings.png", cells, {"control": lost, "rare_wording": runs})
     assert png_size(tmp_path / "settings.png")[0] >= 800
