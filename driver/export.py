@@ -31,6 +31,7 @@ import torch
 
 from common.config import SettingError
 from driver.checkpoint import all_checkpoints, checkpoint_path, latest, manifest, step_of, verify
+from driver.metrics import parse
 from experts import state_file
 
 
@@ -73,7 +74,7 @@ def export_diffusers_generator(velocity, folder: Path, merge_lora: bool) -> list
         transformer = velocity._modules.get(name)
         if transformer is None:
             continue
-        into = folder if name == "transformer" or "transformer" not in velocity._modules else folder / name
+        into = lora_folder(velocity, name, folder)
         if velocity.lora and not merge_lora:
             config = transformer.peft_config["default"]
             metadata = {"r": config.r, "lora_alpha": config.lora_alpha,
@@ -91,6 +92,12 @@ def export_diffusers_generator(velocity, folder: Path, merge_lora: bool) -> list
             written.append(f"{folder / name}: {type(transformer).__name__}"
                            f"{' with its LoRA merged' if velocity.lora else ''}")
     return written
+
+
+def lora_folder(velocity, name: str, folder: Path) -> Path:
+    """Where transformer `name`'s LoRA file goes: the expert's folder for its first transformer,
+    `transformer_2/` beside it for a second (Wan2.2-A14B's low-noise one, held with the high)."""
+    return folder if name == "transformer" or "transformer" not in velocity._modules else folder / name
 
 
 def export_hf_refiner(refiner, spec, folder: Path, merge_lora: bool) -> list[str]:
@@ -143,7 +150,7 @@ def export(run_dir: Path, out: Path, *, step: int | None, merge_lora: bool, conf
         if kind == "diffusers_flow":
             written += export_diffusers_generator(model, folder, merge_lora)
             if "transformer_2" in model._modules:
-                low = folder if "transformer" not in model._modules else folder / "transformer_2"
+                low = lora_folder(model, "transformer_2", folder)
                 notes.append(f"Wan2.2-A14B's low-noise transformer is in `{low.relative_to(out)}/`: "
                              + (f'`pipe.load_lora_weights("{low.relative_to(out)}", load_into_transformer_2=True)`'
                                 if model.lora and not merge_lora else
@@ -157,30 +164,30 @@ def export(run_dir: Path, out: Path, *, step: int | None, merge_lora: bool, conf
     return [*written, f"{out / 'README.md'}: the model card", f"{out / 'jointrl_config.yaml'}: the run's config"]
 
 
-def last_held_out(run_dir: Path, step: int) -> tuple[int | None, dict]:
-    """(the step, its eval/* figures) of the last evaluation logged up to `step`."""
-    found, figures = None, {}
+def rows_before(run_dir: Path, step: int) -> list[dict]:
+    """The run's metrics rows of the steps checkpoint `step` holds (a line cut short by a kill is skipped)."""
     path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        row = json.loads(line)
-        if row.get("step", 0) < step and any(k.startswith("eval/") for k in row):
+    rows = (parse(line) for line in (path.read_text().splitlines() if path.is_file() else []))
+    return [r for r in rows if r and r.get("step", 0) < step]
+
+
+def last_held_out(rows: list[dict]) -> tuple[int | None, dict]:
+    """(the step, its eval/* figures) of the last evaluation among `rows`."""
+    found, figures = None, {}
+    for row in rows:
+        if any(k.startswith("eval/") for k in row):
             found, figures = row["step"], {k: v for k, v in row.items() if k.startswith("eval/")}
     return found, figures
 
 
-def rollouts_up_to(run_dir: Path, step: int) -> int:
-    """The rollouts the run had made by checkpoint `step` (metrics' `rollouts`)."""
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    return max((r.get("rollouts", 0) for r in rows if r.get("step", 0) < step), default=0)  # a running total
-
-
 def model_card(run_dir: Path, ckpt: Path, *, config, merge_lora: bool, notes: list[str]) -> str:
     step = manifest(ckpt)["step"]
+    rows = rows_before(run_dir, step)
+    rollouts = max((r.get("rollouts", 0) for r in rows), default=0)  # metrics' `rollouts` is a running total
     lines = [f"# {config.trainer.run_name or run_dir.name}: models exported by jointrl", "",
              f"Trained jointly from one reward by jointrl (N prompt refiners and one flow-matching generator, "
              f"Flow-GRPO arXiv 2505.05470 for the generator, GRPO arXiv 2402.03300 for the refiners) for "
-             f"{step} step(s), {rollouts_up_to(run_dir, step)} rollouts, exported from `{ckpt.name}` of `{run_dir}`.",
+             f"{step} step(s), {rollouts} rollouts, exported from `{ckpt.name}` of `{run_dir}`.",
              "", "| expert | model kind | base | revision | trained | folder |", "|---|---|---|---|---|---|"]
     for eid in config.experts.ids():
         m = config.expert(eid).model
@@ -190,7 +197,7 @@ def model_card(run_dir: Path, ckpt: Path, *, config, merge_lora: bool, notes: li
                      f"| {trained} | `{eid}/` |")
     lines += ["", "Reward terms (weight): " + ", ".join(f"{name} ({t.weight:g}, fn {t.fn})"
                                                        for name, t in config.reward.terms.items()) + "."]
-    at, figures = last_held_out(run_dir, step)
+    at, figures = last_held_out(rows)
     if figures:
         lines += ["", f"Last held-out figures (step {at}):", ""] + [f"- {k}: {v:.4f}" for k, v in sorted(figures.items())]
     lines += ["", "## Sampling with the exported models", "", *usage(config, merge_lora), *notes, "",

@@ -287,11 +287,9 @@ def term_problems(key: str, term) -> list[str]:
 
 def server_problems(key: str, options) -> list[str]:
     """A term scored by a reward server (`fn: http`): the server answers its health check."""
-    import os
-
     from tasks.rewards.http import describe, health
     try:
-        health(options.url, timeout_s=min(5.0, options.timeout_s), token=os.environ.get(options.token_env))
+        health(options)
     except (OSError, ValueError) as e:
         return [f"{key}.url: no reward server answers at {options.url} ({describe(e)}); start one with "
                 f"`jointrl serve-reward --term NAME`"]

@@ -8,10 +8,9 @@ models (preflight), the prompts, and every image (PNG or JPEG, read with its EXI
 RGB), whose count must equal the prompts'. Images pair with prompts in name order, numbers by value
 (`2.png` before `10.png`).
 
-An image reaches the term as generated images do, (3, H, W) in [-1, 1]: the 8-bit value k becomes
-(k + 0.5) / 127.5 - 1, the middle of the values `tasks.base.to_uint8` turns back into k (255: 1,
-the only value it turns into 255), so a term that reads pixels (every built-in does, through
-`to_uint8`) sees exactly the file's.
+An image reaches the term as generated images do, (3, H, W) in [-1, 1] (`tasks.base.from_uint8`:
+each 8-bit value in the middle of those `to_uint8` turns back into it), so a term that reads pixels
+(every built-in does, through `to_uint8`) sees exactly the file's.
 """
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ import numpy as np
 
 from common.config import SettingError
 from driver.config import Config, invalid, resolve_config
+from tasks.base import from_uint8
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 CHUNK = 16  # images held in memory at once for a term without a batch_size
@@ -101,12 +101,6 @@ def read_image(path: Path) -> np.ndarray:
                           f"Nothing was started.") from None
 
 
-def as_generated(image: np.ndarray) -> np.ndarray:
-    """(H, W, 3) uint8 as the generator's (3, H, W) float32 in [-1, 1], each value in the middle of
-    those `to_uint8` maps back to it (see the module docstring)."""
-    return np.minimum((image.astype(np.float32) + 0.5) / 127.5 - 1, 1).transpose(2, 0, 1)
-
-
 def chunks(sizes: list[tuple[int, int]], most: int) -> list[slice]:
     """Runs of consecutive images of one size, at most `most` long: the batches the term is called on."""
     out, start = [], 0
@@ -164,7 +158,7 @@ def score_folder(config: Config, name: str, term, prompts_file: str, folder: Pat
     options = term.options()
     scores, strict = np.empty(len(files)), np.empty(len(files)) if getattr(scorer, "strict", None) else None
     for rows in chunks(sizes, getattr(options, "batch_size", CHUNK)):
-        images = np.stack([as_generated(read_image(f)) for f in files[rows]])
+        images = np.stack([from_uint8(read_image(f)) for f in files[rows]])
         batch = prompts[rows]
         try:
             scores[rows] = np.asarray(scorer(images, batch, [{}] * len(batch)), dtype=np.float64)

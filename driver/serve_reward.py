@@ -41,6 +41,12 @@ class RewardServer(HTTPServer):
         super().__init__(address, RewardHandler)
         self.name, self.fn, self.scorer, self.token, self.max_bytes = name, fn, scorer, token, max_bytes
 
+    @property
+    def routes(self) -> dict:
+        """POST /<route> -> what answers it: the scorer, and its strict correctness where it has one."""
+        strict = getattr(self.scorer, "strict", None)
+        return {"score": self.scorer, **({"strict": strict} if strict is not None else {})}
+
 
 class RewardHandler(BaseHTTPRequestHandler):
     server: RewardServer
@@ -70,18 +76,15 @@ class RewardHandler(BaseHTTPRequestHandler):
             return
         if self.path.rstrip("/") != "/health":
             return self.answer(404, {"error": f"no {self.path}: GET /health, POST /score"})
-        self.answer(200, {"term": self.server.name, "fn": self.server.fn,
-                          "strict": getattr(self.server.scorer, "strict", None) is not None})
+        self.answer(200, {"term": self.server.name, "fn": self.server.fn, "strict": "strict" in self.server.routes})
 
     def do_POST(self):
         if not self.authorised():
             return
-        what = self.path.rstrip("/").lstrip("/")
-        score = self.server.scorer if what == "score" else getattr(self.server.scorer, "strict", None) \
-            if what == "strict" else None
-        if score is None:
-            return self.answer(404, {"error": f"no {self.path}: GET /health, POST /score"
-                                              f"{', POST /strict' if getattr(self.server.scorer, 'strict', None) else ''}"})
+        what, routes = self.path.rstrip("/").lstrip("/"), self.server.routes
+        if what not in routes:
+            return self.answer(404, {"error": f"no {self.path}: GET /health, "
+                                              f"{', '.join(f'POST /{r}' for r in routes)}"})
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
@@ -95,7 +98,7 @@ class RewardHandler(BaseHTTPRequestHandler):
         except ValueError as e:
             return self.answer(400, {"error": " ".join(str(e).split())[:400]})
         try:
-            scores = np.asarray(score(images, prompts, refinements), dtype=np.float64)
+            scores = np.asarray(routes[what](images, prompts, refinements), dtype=np.float64)
         except Exception as e:  # the term's own failure: the client's guard counts it
             return self.answer(500, {"error": f"reward.terms.{self.server.name}: {one_line(e)}"})
         self.answer(200, {"scores" if what == "score" else what: [float(s) if np.isfinite(s) else None for s in scores]})

@@ -45,6 +45,13 @@ def to_uint8(sample: np.ndarray) -> np.ndarray:
     return np.clip((channels_last + 1) * 127.5, 0, 255).astype(np.uint8)
 
 
+def from_uint8(pixels: np.ndarray) -> np.ndarray:
+    """`to_uint8`'s inverse: uint8 (H, W, 3) or (F, H, W, 3) as the generator's (3, H, W) or
+    (F, 3, H, W) float32 in [-1, 1], each 8-bit value k as (k + 0.5) / 127.5 - 1, the middle of the
+    values `to_uint8` turns back into k (255: 1, the only value it turns into 255)."""
+    return np.moveaxis(np.minimum((pixels.astype(np.float32) + 0.5) / 127.5 - 1, 1), -1, -3)
+
+
 class Task(Protocol):
     name: str
 

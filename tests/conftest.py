@@ -69,11 +69,12 @@ def make_config(*overrides: str, preset: str = "shapes"):
     return load_config(preset, [*start, *overrides])
 
 
-def trained_inline(run_dir, preset: str, steps: int):
-    """`jointrl train --config preset` of `steps` steps in one process into `run_dir`, as a user runs it."""
+def trained_inline(run_dir, preset: str, steps: int, *sets: str):
+    """`jointrl train --config preset` of `steps` steps in one process into `run_dir`, with `--set`
+    each of `sets`, as a user runs it."""
     from driver import cli
     assert cli.main(["train", "--config", preset, "--set", "cluster.mode=inline", "--set", f"trainer.steps={steps}",
-                     "--run-dir", str(run_dir)]) == 0
+                     *(a for s in sets for a in ("--set", s)), "--run-dir", str(run_dir)]) == 0
     return run_dir
 
 

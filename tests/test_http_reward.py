@@ -20,7 +20,7 @@ from driver.score import term_config
 from driver.serve_reward import server_for
 from tasks.base import Refinement, TextPrompt
 from tasks.rewards.http import HttpOptions, HttpReward
-from tests.conftest import assert_same_training, read_metrics
+from tests.conftest import assert_same_training, read_metrics, trained_inline
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +60,9 @@ def images(n: int = 2) -> np.ndarray:
 
 def test_a_run_whose_term_is_served_equals_the_run_scoring_it_in_process(served_clip_score, tmp_path):
     here, there = tmp_path / "here", tmp_path / "there"
-    assert cli.main(["train", "--config", "prompts-tiny", "--set", "cluster.mode=inline", "--set", "trainer.steps=2",
-                     "--run-dir", str(here)]) == 0
-    assert cli.main(["train", "--config", "prompts-tiny", "--set", "cluster.mode=inline", "--set", "trainer.steps=2",
-                     "--set", f"reward.terms.clip_score={{fn: http, url: '{served_clip_score}', weight: 0.25}}",
-                     "--run-dir", str(there)]) == 0
+    trained_inline(here, "prompts-tiny", 2)
+    trained_inline(there, "prompts-tiny", 2,
+                   f"reward.terms.clip_score={{fn: http, url: '{served_clip_score}', weight: 0.25}}")
     a, b = read_metrics(here), read_metrics(there)
     assert all(np.isfinite(r["reward/clip_score"]) and r["faults/reward_error"] == 0 for r in b)
     assert_same_training(a, b, tol=0.0)
@@ -137,9 +135,8 @@ def test_a_server_that_dies_mid_run_costs_the_steps_after_it_counted_as_reward_e
         server.server_close()
     server.scorer = once_then_gone
     run = tmp_path / "run"
-    assert cli.main(["train", "--config", "prompts-tiny", "--set", "cluster.mode=inline", "--set", "trainer.steps=3",
-                     "--set", f"reward.terms.clip_score={{fn: http, url: '{url}', weight: 0.25, retries: 1, "
-                              f"timeout_s: 5}}", "--run-dir", str(run)]) == 0
+    trained_inline(run, "prompts-tiny", 3,
+                   f"reward.terms.clip_score={{fn: http, url: '{url}', weight: 0.25, retries: 1, timeout_s: 5}}")
     rows = read_metrics(run)
     assert rows[0]["faults/reward_error"] == 0 and np.isfinite(rows[0]["reward/clip_score"])
     assert all(r["faults/reward_error"] > 0 for r in rows[1:]) and len(calls) == 1

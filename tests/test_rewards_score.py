@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from driver import cli
-from driver.score import as_generated, chunks, natural_key, read_image, term_config
-from tasks.base import to_uint8
+from driver.score import chunks, natural_key, read_image, term_config
+from tasks.base import from_uint8, to_uint8
 from tasks.prompt_data import load_prompts
 from tasks.rewards.term import build_scorer
 from tests.rendered_text import LAYOUTS, PHRASES, rendered
@@ -24,8 +24,8 @@ from tests.rendered_text import LAYOUTS, PHRASES, rendered
 
 def test_the_term_sees_the_files_pixels():
     every = np.arange(256, dtype=np.uint8).reshape(16, 16, 1).repeat(3, axis=2)
-    assert np.array_equal(to_uint8(as_generated(every)), every)
-    assert as_generated(every).min() > -1 and as_generated(every).max() == 1
+    assert np.array_equal(to_uint8(from_uint8(every)), every)
+    assert from_uint8(every).min() > -1 and from_uint8(every).max() == 1
 
 
 def test_name_order_counts_numbers_by_value_and_batches_keep_one_size():
@@ -99,7 +99,7 @@ def test_scores_as_the_term_scores_its_images_in_batches_of_one_size(tmp_path, c
     [scorer] = built
     assert scorer.options.batch_size == 2 and scorer.options.model == "tiny:owlv2"
     prompts = load_prompts(str(tmp_path / "prompts.jsonl"))
-    alone = [as_generated(read_image(tmp_path / "images" / f"{i}.png"))[None] for i in range(5)]
+    alone = [from_uint8(read_image(tmp_path / "images" / f"{i}.png"))[None] for i in range(5)]
     np.testing.assert_allclose(out["scores"], [scorer(a, [p], [{}])[0] for a, p in zip(alone, prompts)], atol=1e-9)
     assert out["strict"] == [scorer.strict(a, [p], [{}])[0] for a, p in zip(alone, prompts)]
     assert len(set(out["scores"])) > 1

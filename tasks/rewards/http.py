@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 from pydantic import Field, PositiveFloat
 
-from tasks.base import Refinement, to_uint8
+from tasks.base import Refinement, from_uint8, to_uint8
 from tasks.rewards.base import Options, RewardModel
 
 TOKEN_ENV = "JOINTRL_REWARD_TOKEN"
@@ -66,10 +66,10 @@ def png(sample: np.ndarray) -> list[str]:
 
 def unpng(frames: list[str]) -> np.ndarray:
     """A sample's base64 PNGs as the generator's (3, H, W), or (F, 3, H, W) for several frames, in
-    [-1, 1]: each 8-bit value at the middle of the bin `to_uint8` maps to it."""
+    [-1, 1] (`from_uint8`)."""
     from PIL import Image
     decoded = [np.asarray(Image.open(io.BytesIO(base64.b64decode(f, validate=True))).convert("RGB")) for f in frames]
-    values = np.minimum((np.stack(decoded).astype(np.float32) + 0.5) / 127.5 - 1, 1).transpose(0, 3, 1, 2)
+    values = from_uint8(np.stack(decoded))
     return values[0] if len(values) == 1 else values
 
 
@@ -110,8 +110,7 @@ class HttpReward(RewardModel):
     def __init__(self, options: HttpOptions, device):
         super().__init__(options, device)
         try:
-            has_strict = bool(health(options.url, min(5.0, options.timeout_s),
-                                     os.environ.get(options.token_env)).get("strict"))
+            has_strict = bool(health(options).get("strict"))
         except (OSError, ValueError, AttributeError):  # not answering now: scoring retries, and is counted
             has_strict = False
         self.strict = self.strict_scores if has_strict else None
@@ -173,9 +172,11 @@ def describe(error: Exception) -> str:
     return f"{type(error).__name__}: {getattr(error, 'reason', error)}"
 
 
-def health(url: str, timeout_s: float = 5.0, token: str | None = None) -> dict:
-    """The server's GET /health answer; raises what reaching it raised."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    request = urllib.request.Request(url.rstrip("/") + "/health", headers=headers)
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+def health(options: HttpOptions) -> dict:
+    """The term's server's GET /health answer, within 5 s (or the term's `timeout_s` if shorter);
+    raises what reaching it raised."""
+    token = os.environ.get(options.token_env)
+    request = urllib.request.Request(options.url.rstrip("/") + "/health",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=min(5.0, options.timeout_s)) as response:
         return json.loads(response.read())
