@@ -27,19 +27,25 @@ class Interrupts:
     to `forward` (once there is one), a second raises StopNow."""
 
     def __init__(self):
-        self.signum, self.previous, self.stop = None, {}, None
+        self.signum, self.second, self.previous, self.stop = None, None, {}, None
 
     def __enter__(self) -> "Interrupts":
         self.previous = {s: signal.signal(s, self.handle) for s in EXIT_CODES
                          if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        """Restores the handlers. A second signal that came while Ray waited leaves Ray's plain
+        KeyboardInterrupt, not StopNow (its `check_signals` catches what the handler raised and
+        reports only "interrupted"): it is raised again as the StopNow of that signal."""
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        if self.second is not None and isinstance(exc, KeyboardInterrupt) and not isinstance(exc, StopNow):
+            raise StopNow(self.second) from exc
 
     def handle(self, signum, frame) -> None:
         if self.signum is not None:
+            self.second = signum
             raise StopNow(signum)
         self.signum = signum
         print(f"\njointrl: {signal.Signals(signum).name} received: finishing the step under way and saving a "

@@ -212,6 +212,33 @@ def test_a_signal_the_process_was_started_ignoring_stays_ignored():
         signal.signal(signal.SIGHUP, before)
 
 
+def test_a_second_signal_during_a_ray_get_exits_with_that_signals_status(ray_session):
+    """Ray's wait catches what the handler raises and raises a plain KeyboardInterrupt in its place
+    (the CI's failure: a second SIGTERM exited 130): the run still exits 143."""
+    import threading
+    import ray
+    from driver.interrupts import Interrupts, StopNow
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sleeper = ray.remote(num_cpus=0)(lambda: time.sleep(60)).remote()
+
+    def twice(interrupts):  # the second once the first was handled (a wait runs handlers about once a second)
+        os.kill(os.getpid(), signal.SIGTERM)
+        while not interrupts.requested:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+    stop = None
+    try:
+        with Interrupts() as interrupts:
+            threading.Thread(target=twice, args=(interrupts,), daemon=True).start()
+            ray.get(sleeper)
+    except KeyboardInterrupt as stopped:  # caught here: one that left the test would end the session
+        stop = stopped
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        ray.cancel(sleeper, force=True)
+    assert isinstance(stop, StopNow) and stop.exit_code == 143, repr(stop)
+
+
 def test_one_run_per_folder(tmp_path):
     run_dir = tmp_path / "run"
     first = start("train", "--config", "shapes-tiny", "--set", "trainer.steps=200", "--set", "cluster.mode=inline",
