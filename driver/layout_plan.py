@@ -11,10 +11,14 @@ colocated layout's extra generator ranks (`as_layout`).
   ranks generate theirs.
 - both: the update is the slowest expert's share of its samples, on its `parallel.ranks` ranks.
 Per-sample costs: tiny builds are measured on this CPU (one step in-process after one that warms
-up); real models from FLOPs at the target GPU's peak (`plan.target.gpu_tflops`): a transformer's
-pass costs 2 x parameters x tokens, its backward pass twice that (once under LoRA: no weight
-gradients). Real steps take longer than that bound, by about the same factor in either layout, so
-the comparison holds where the absolute figure does not.
+up); real models from FLOPs at the target GPU's peak (`plan.target.gpu_tflops`). The generator's
+pass costs what its trace counts (experts/memory.py `Flops`): its matrix products, and attention's,
+which grow with the square of the tokens (at Wan's 33 k tokens attention is ~2.4x the rest). A
+backward pass costs twice the forward's products (once under LoRA: no weight gradients) and 2.5x
+its attention (FlashAttention-2, arXiv 2307.08691 §4.1: the backward recomputes the scores); under
+activation checkpointing the forward runs twice. A refiner's pass costs 2 x parameters x tokens
+(its few hundred tokens make attention small). Real steps take longer than that bound, by about
+the same factor in either layout, so the comparison holds where the absolute figure does not.
 """
 from __future__ import annotations
 
@@ -101,36 +105,36 @@ def flop_costs(config: Config, tflops: float) -> PhaseCosts:
     rate = tflops * 1e12
     g = config.experts.generator
     arch = task_generator(config, g.model)  # a video model's clip size too
-    tokens = arch.image_tokens + arch.text_tokens
     algo = config.algorithm
     redraws = algo.counterfactual_fraction * len(config.experts.active_refiners()) \
         * refined_samples(config) / step_samples(config) if algo.credit == "counterfactual" else 0.0
     text = 2 * sum(arch.frontend.values()) * arch.text_tokens  # the encoders' passes (the VAE's are left out)
-    generate = (1 + redraws) * (g.sample_steps * guided(g) * 2 * arch.transformer * tokens + text)
+    forward = arch.flops.linear + arch.flops.attention
+    generate = (1 + redraws) * (g.sample_steps * guided(g) * forward + text)
 
-    def backward(params: int, lora: bool) -> int:
-        return (4 if lora else 6) * params  # forward 2, backward 2 (+2 for the weights' gradients)
+    def generator_update(spec) -> float:
+        """One sample's trained step through one transformer: forward, backward, the recomputed
+        forward under activation checkpointing, the reference's forward for the KL."""
+        backward = (1 if spec.model.lora else 2) * arch.flops.linear + 2.5 * arch.flops.attention
+        passes = forward * (1 + spec.parallel.activation_checkpointing + (spec.kl_beta > 0)) + backward
+        return (guided(g) if g.train_cfg else 1) * passes
     refine, update = {}, {}
     for e, r in config.experts.active_refiners().items():
         lm = lm_architecture(r.model)
         seq = PROMPT_TOKENS + r.max_new_tokens
-        refine[e] = 2 * lm.params * seq / rate
-        update[e] = seq * (backward(lm.params, bool(r.model.lora)) + (2 * lm.params if r.kl_beta > 0 else 0)) / rate
-    per_step = tokens * (guided(g) if g.train_cfg else 1)
+        forward_lm = 2 * lm.params * seq
+        refine[e] = forward_lm / rate
+        update[e] = forward_lm * (2 + (not r.model.lora) + r.parallel.activation_checkpointing + (r.kl_beta > 0)) / rate
     if config.experts.generator_low is None:
-        update["generator"] = len(trained_steps(g)) * per_step * (
-            backward(arch.transformer, bool(g.model.lora)) + (2 * arch.transformer if g.kl_beta > 0 else 0)) / rate
+        update["generator"] = len(trained_steps(g)) * generator_update(g) / rate
     else:  # Wan2.2-A14B's two transformers, each its own expert, each training the steps it denoises
         from common.architectures import config_folder, model_index
         from experts.wan import transformer_steps
         folder = config_folder(g.model.path, g.model.revision)
         boundary = model_index(folder)["boundary_ratio"]
         sides, _ = transformer_steps(folder, g.sample_steps, trained_steps(g), boundary)
-        for e, side, part in (("generator", "high", "transformer"), ("generator_low", "low", "transformer_2")):
-            spec = config.expert(e)
-            params, _ = arch.per_transformer[part]
-            update[e] = len(sides[side]) * per_step * (backward(params, bool(spec.model.lora))
-                                                       + (2 * params if spec.kl_beta > 0 else 0)) / rate
+        for e, side in (("generator", "high"), ("generator_low", "low")):
+            update[e] = len(sides[side]) * generator_update(config.expert(e)) / rate
     return PhaseCosts(refine, generate / rate, {e: update[e] for e in trained(config)},
                       f"FLOPs at {tflops:g} TFLOP/s per GPU (plan.target.gpu_tflops)")
 

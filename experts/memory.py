@@ -24,7 +24,10 @@ backward pass is taken to peak where the forward does: it visits the same operat
 each with its gradients in place of its outputs while everything saved before it is still kept.
 A pass without gradients (sampling, the reference, a VAE decode, a reward model) is measured as
 its working set: the largest operation's inputs and outputs, plus the largest block input held
-beside them (the residual stream). bench/plans.py measures the estimate against the update's
+beside them (the residual stream). The same trace counts a pass's FLOPs by torch's own formulas
+(torch.utils.flop_counter: matrix products and convolutions), attention apart (its two products,
+q·kᵀ and the scores times v, grow with the square of the tokens), for the plan's time model.
+bench/plans.py measures the estimate against the update's
 peak memory on CPU. Each measurement is kept once made (experts/measurements.py), so a model is
 traced once, not at every plan.
 """
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from common.architectures import UnknownModel, config_folder, index_class, weighted_components
 from experts.measurements import remembered
@@ -185,8 +189,10 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # the kernel takes an additive mask
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    return FUSED_ATTENTION(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+FUSED_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 @contextlib.contextmanager
@@ -208,11 +214,21 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 @dataclass(frozen=True)
+class Flops:
+    """One forward pass's FLOPs: its matrix products and convolutions outside attention (`linear`,
+    about 2 x parameters x tokens), and attention's two products (`attention`)."""
+    linear: int
+    attention: int
+
+
+@dataclass(frozen=True)
 class Pass:
     """One forward pass of one sample: with gradients, its activations; without, its working set
-    (the largest operation's inputs and outputs plus the largest block input held beside them)."""
+    (the largest operation's inputs and outputs plus the largest block input held beside them);
+    its FLOPs either way."""
     kept: Activations
     working_set: int
+    flops: Flops
 
 
 class Trace(TorchDispatchMode):
@@ -225,6 +241,7 @@ class Trace(TorchDispatchMode):
         self.weights, self.saved = weights, set()
         self.outside, self.per_block, self.inputs = 0, [0] * n_blocks, 0
         self.block, self.peak, self.block_peak, self.largest_op, self.held = None, 0, 0, 0, 0
+        self.linear_flops, self.attention_flops = 0, 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
@@ -238,6 +255,10 @@ class Trace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is FUSED_ATTENTION:
+            self.attention_flops += sdpa_flop_count(*(a.shape for a in args[:3]))
+        elif func.overloadpacket in flop_registry:
+            self.linear_flops += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
         tensors = {storage_key(t): t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)}
         tensors = {k: t for k, t in tensors.items() if k not in self.weights}
         self.largest_op = max(self.largest_op, sum(map(nbytes, tensors.values())))
@@ -277,7 +298,7 @@ def measure(model: nn.Module, run, grad: bool = True) -> Pass:
         for h in handles:
             h.remove()
     kept = Activations(trace.outside, trace.inputs, sum(trace.per_block), trace.peak, trace.block_peak)
-    return Pass(kept, trace.largest_op + trace.held)
+    return Pass(kept, trace.largest_op + trace.held, Flops(trace.linear_flops, trace.attention_flops))
 
 
 # --- the generator ----------------------------------------------------------------------------------
@@ -303,6 +324,7 @@ class GeneratorArchitecture:
     sample_working_set: int
     decode_working_set: int
     text_features: int
+    flops: Flops  # one sample's pass through one transformer (Wan2.2-A14B's two are alike)
 
     @property
     def latent_numel(self) -> int:
@@ -402,7 +424,7 @@ def _trace_generator(folder: Path, family: str, *, model_json: str, image_size: 
                                  {name: count(part) for name, part in built.items()},
                                  {name: d.itemsize for name, d in widths.items()},
                                  latent_shape,
-                                 image_tokens, text_tokens, one.kept, one.working_set, decode, features)
+                                 image_tokens, text_tokens, one.kept, one.working_set, decode, features, one.flops)
 
 
 def transformer_image_tokens(family: str, latent_shape: tuple[int, ...]) -> int:

@@ -228,3 +228,48 @@ def test_the_layouts_of_a_video_preset_are_costed_at_its_clip_size(preset, capsy
     assert costs["generate"] > 0 and all(v > 0 for v in costs["update"].values())
     if preset == "wan2.2-a14b":
         assert set(costs["update"]) >= {"generator", "generator_low"}
+
+
+def flux_and_wan():
+    """A small FLUX.1 transformer (joint attention over text and image tokens) and a small Wan one
+    (self-attention over a clip's tokens, cross-attention to the text), with one sample's inputs."""
+    import torch
+    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+    flux = lambda: FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24,
+                                          pooled_projection_dim=12, axes_dims_rope=(4, 6, 6))
+    flux_inputs = lambda d: dict(hidden_states=torch.randn(1, 36, 16, device=d),
+                                 encoder_hidden_states=torch.randn(1, 7, 24, device=d),
+                                 pooled_projections=torch.randn(1, 12, device=d), timestep=torch.ones(1, device=d),
+                                 img_ids=torch.zeros(36, 3, device=d), txt_ids=torch.zeros(7, 3, device=d))
+    wan = lambda: WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                        in_channels=4, out_channels=4, text_dim=20, freq_dim=16, ffn_dim=40,
+                                        num_layers=2, rope_max_seq_len=32)
+    wan_inputs = lambda d: dict(hidden_states=torch.randn(1, 4, 3, 8, 8, device=d), timestep=torch.ones(1, device=d),
+                                encoder_hidden_states=torch.randn(1, 9, 20, device=d))
+    return [(flux, flux_inputs), (wan, wan_inputs)]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["flux1", "wan"])
+def test_the_traced_flops_are_torchs_count_of_the_real_forward(which):
+    """The time model's FLOPs (one pass traced on the meta device, attention as the fused kernel)
+    equal torch's FlopCounterMode over the real forward with attention unfused (its products then
+    are plain matrix products), and attention's share equals the formula 4 x heads x q-tokens x
+    k-tokens x head width summed over the attentions."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    from experts.memory import META, measure
+    build, inputs = flux_and_wan()[which]
+    torch.manual_seed(0)
+    real = build().eval()
+    with torch.device(META):
+        meta = build()
+    traced = measure(meta, lambda: meta(**inputs(META)), grad=False).flops
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+        real(**inputs("cpu"))
+    assert traced.linear + traced.attention == counter.get_total_flops()
+    heads, width = real.config.num_attention_heads, real.config.attention_head_dim
+    # FLUX: one joint (7 + 36 tokens) attention per block; Wan: self (3 x 4 x 4 tokens) and cross (9) per block
+    attentions = [(43, 43)] * 2 if which == 0 else [(48, 48), (48, 9)] * 2
+    assert traced.attention == sum(4 * heads * q * k * width for q, k in attentions)
