@@ -95,9 +95,10 @@ class Expert:
     def weights(self) -> dict[str, np.ndarray] | None:
         """This version's weights as numpy arrays (experts/weights.py), whole; None on a rank
         other than the leader (which still takes part in gathering them)."""
-        state = parallel.gathered(self.model, synced_state(self.model), by_unit=not self.computed) if self.sharded \
-            else synced_state(self.model)
-        return arrays_of(state, self.private) if self.gang is None or self.gang.leader else None
+        leader = self.gang is None or self.gang.leader
+        state = parallel.gathered(self.model, synced_state(self.model), by_unit=not self.computed, keep=leader) \
+            if self.sharded else synced_state(self.model)
+        return arrays_of(state, self.private) if leader else None
 
     def info(self) -> ExpertInfo:
         return ExpertInfo(self.version, self.last_step)

@@ -253,14 +253,17 @@ def sum_stats(loss: float, stats: dict, device: torch.device) -> tuple[float, di
     return float(values[0]), out
 
 
-def gathered(model: nn.Module, state: dict[str, torch.Tensor], by_unit: bool = True) -> dict[str, torch.Tensor]:
+def gathered(model: nn.Module, state: dict[str, torch.Tensor], *, by_unit: bool = True,
+             keep: bool = True) -> dict[str, torch.Tensor] | None:
     """`state` (entries of the sharded `model`'s state_dict) whole on the CPU, gathered one FSDP
     unit at a time (one all-gather each; a collective: every rank calls it), so a device never
     holds more than one unit whole; plain entries as they are. Not `by_unit` (units gathered in
-    another dtype than they keep, under mixed precision): one tensor at a time, as kept."""
+    another dtype than they keep, under mixed precision): one tensor at a time, as kept. A rank
+    that does not `keep` them (not the leader) takes part in the gathering and copies nothing to
+    the host: None."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     from torch.distributed.fsdp import FSDPModule
-    out = {k: v for k, v in state.items() if not isinstance(v, DTensor)}
+    out = {k: v for k, v in state.items() if not isinstance(v, DTensor)}  # plain entries, as they are
     for prefix, unit in model.named_modules():
         if not by_unit or not isinstance(unit, FSDPModule):
             continue
@@ -268,9 +271,13 @@ def gathered(model: nn.Module, state: dict[str, torch.Tensor], by_unit: bool = T
         for name, p in unit.named_parameters(prefix=prefix):
             key = name.replace(_CHECKPOINT_PREFIX, "")
             if key in state and key not in out and not isinstance(p, DTensor):
-                out[key] = p.detach().to("cpu", copy=True)
+                out[key] = p.detach().to("cpu", copy=True) if keep else None
         unit.reshard()
-    return {k: out[k] if k in out else v.full_tensor().cpu() for k, v in state.items()}
+    for k, v in state.items():  # the rest one tensor at a time: each an all-gather on every rank
+        if k not in out:
+            whole = v.full_tensor()
+            out[k] = whole.cpu() if keep else None
+    return {k: out[k] for k in state} if keep else None
 
 
 def sharded_like(whole: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

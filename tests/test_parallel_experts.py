@@ -284,3 +284,53 @@ def test_a_lost_peer_is_told_from_a_wrong_call_on_gloo_and_nccl():
         with pytest.raises(GangBroken if peer_lost(error) else type(error)):
             with expert.among_peers("a test"):
                 raise error
+
+
+def gather_on_two_ranks(rank: int, port: int, by_unit: bool, out: str) -> None:
+    """Rank `rank` of two (gloo, CPU): a small model sharded with FSDP2, gathered whole by the leader
+    only; saves what it got and how many host copies it made."""
+    import torch
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from experts import parallel
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.ModuleList([nn.Linear(10, 10), nn.Linear(10, 10)]), nn.Linear(10, 3))
+    whole = {k: v.clone() for k, v in model.state_dict().items()}
+    parallel.join_group("127.0.0.1", port, "gang-0", rank, 2, "gloo", 60)
+    parallel.shard(model, torch.device("cpu"))
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.count += func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.clone, torch.ops.aten.copy_)
+            return func(*args, **(kwargs or {}))
+    with Copies():
+        got = parallel.gathered(model, model.state_dict(), by_unit=by_unit, keep=rank == 0)
+    equal = got is not None and all(torch.equal(got[k], whole[k]) for k in whole)
+    torch.save({"none": got is None, "equal": equal, "copies": Copies.count}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("by_unit", [True, False])
+def test_only_the_leader_copies_the_gathered_model_to_the_host(tmp_path, by_unit):
+    """Every rank takes part in gathering a sharded model (the collectives line up, nothing hangs);
+    only the leader copies it to the host and gets it whole; the other rank gets None and makes no
+    copy (a full fine-tune's 36 GB once per snapshot, not once per rank)."""
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=gather_on_two_ranks, args=(r, port, by_unit, outs[r])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    del store
+    assert [p.exitcode for p in procs] == [0, 0]
+    leader, other = (torch.load(o) for o in outs)
+    assert leader["equal"] and not leader["none"] and (leader["copies"] > 0) == by_unit  # else fresh from the gather
+    assert other["none"] and other["copies"] == 0
