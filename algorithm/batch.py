@@ -36,7 +36,7 @@ def step_prompts(n: int, step: int, seed: int, prompts_per_step: int) -> list[in
     return [int(orders[p // n][p % n]) for p in range(start, start + prompts_per_step)]
 
 
-def step_samples(prompts: list, step: int, seed: int, prompts_per_step: int, group_size: int,
+def step_samples(prompts: list, *, step: int, seed: int, prompts_per_step: int, group_size: int,
                  num_skip_refinement: int, refine: bool = True) -> list[Sample]:
     """The step's prompts (`step_prompts`), G samples each; `refine=False` (generator-only) leaves
     every sample on its original prompt."""

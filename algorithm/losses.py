@@ -38,7 +38,7 @@ def kl3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, clip_eps: float, kl_beta: float,
+def refiner_loss(policy, reference, batch: dict, adv: torch.Tensor, *, clip_eps: float, kl_beta: float,
                  tokens: float | None = None):
     """Per token PPO-clip(r, A) + beta KL3 with r = exp(logp - logp_rollout), averaged over all valid
     tokens (`tokens`: the count to divide by, if not this batch's own, as for one rank's share of a
@@ -86,7 +86,7 @@ def refiner_backward(policy, reference, batch: dict, adv: torch.Tensor, *, clip_
     loss, stats = 0.0, {"kl": 0.0, "ratio_mean": 0.0, "logprob_gap": 0.0, "logprob_gap_max": 0.0}
     for i, (part, counted) in enumerate(padded(parts, passes)):
         part_loss, part_stats = refiner_loss(policy, reference, sequences(batch, part), adv[part.to(adv.device)],
-                                             clip_eps, kl_beta, tokens=tokens)
+                                             clip_eps=clip_eps, kl_beta=kl_beta, tokens=tokens)
         if before_last is not None and i == passes - 1:
             before_last()
         (part_loss if counted else part_loss * 0.0).backward()
@@ -154,7 +154,7 @@ def step_kl(mean, ref_mean, std, delta, kl_form: str) -> torch.Tensor:
     return exact * delta.flatten() if kl_form == "flow_grpo" else exact
 
 
-def transition_losses(policy, reference, batch: dict, adv: torch.Tensor, rows, cols, obj: GeneratorObjective):
+def transition_losses(policy, reference, batch: dict, adv: torch.Tensor, *, rows, cols, obj: GeneratorObjective):
     """PPO-clip + beta KL of each transition (rows[i], cols[i]), re-evaluated with the policy;
     (losses, KLs, ratios), one per transition. `batch` holds the states x_t (B, S, ...) at the steps
     `state_steps` (S,) (those of the trained transitions, `kept_states`), log-probs (B, T), the
@@ -178,7 +178,7 @@ def transition_losses(policy, reference, batch: dict, adv: torch.Tensor, rows, c
     return losses, kl.detach(), ratio.detach()
 
 
-def generator_backward(policy, reference, batch: dict, adv: torch.Tensor, obj: GeneratorObjective,
+def generator_backward(policy, reference, batch: dict, adv: torch.Tensor, *, obj: GeneratorObjective,
                        samples: torch.Tensor | None = None, before_last: Callable[[], None] | None = None,
                        pad_to: int | None = None):
     """Backpropagate the mean over trained transitions of `transition_losses`, one chunk at a time
@@ -194,7 +194,7 @@ def generator_backward(policy, reference, batch: dict, adv: torch.Tensor, obj: G
     n = len(steps) * n_samples
     loss, kl, ratio = 0.0, 0.0, 0.0
     for i, ((rows, cols), counted) in enumerate(padded(chunks, passes)):
-        losses, kls, ratios = transition_losses(policy, reference, batch, adv, rows, cols, obj)
+        losses, kls, ratios = transition_losses(policy, reference, batch, adv, rows=rows, cols=cols, obj=obj)
         part = losses.sum() / n
         if before_last is not None and i == passes - 1:
             before_last()

@@ -69,7 +69,8 @@ def main():
     rows = []
     start = time.perf_counter()
     for step in range(steps):
-        samples = step_samples(prompts, step, t.seed, t.prompts_per_step, a.group_size, a.num_skip_refinement,
+        samples = step_samples(prompts, step=step, seed=t.seed, prompts_per_step=t.prompts_per_step,
+                               group_size=a.group_size, num_skip_refinement=a.num_skip_refinement,
                                refine=not config.experts.generator_only)
         with torch.no_grad():
             refinements, _ = pipe.refine(step, samples)

@@ -105,7 +105,7 @@ def jointrl_update(policy, reference, batch, adv, trained: int, beta: float) -> 
     from algorithm.losses import GeneratorObjective, generator_backward
     sde = torch.arange(STEPS) < trained
     generator_backward(policy, reference, {**batch, "sde": sde.to(batch["states"].device)}, adv,
-                       GeneratorObjective(NOISE_LEVEL, CLIP, beta, "flow_grpo"))
+                       obj=GeneratorObjective(NOISE_LEVEL, CLIP, beta, "flow_grpo"))
 
 
 class PeakMemory:

@@ -107,7 +107,7 @@ def update_peak(trained: int) -> dict:
     for _ in range(2):  # a warm-up, then the measured one; the larger of the two
         policy.zero_grad(set_to_none=True)
         with PeakMemory(torch.device("cpu")) as memory:
-            generator_backward(policy, reference, batch, adv, GeneratorObjective(0.7, 1e-4, 0.004, "flow_grpo"))
+            generator_backward(policy, reference, batch, adv, obj=GeneratorObjective(0.7, 1e-4, 0.004, "flow_grpo"))
         peak = max(peak, memory.peak)
     return {"peak_bytes": peak}
 

@@ -76,7 +76,8 @@ class DriverActor:
     def samples(self, step: int) -> list:
         """`step`'s samples: G per prompt, the last S of each group with the original prompt."""
         t, a = self.config.trainer, self.config.algorithm
-        return step_samples(self.prompts, step, t.seed, t.prompts_per_step, a.group_size, a.num_skip_refinement,
+        return step_samples(self.prompts, step=step, seed=t.seed, prompts_per_step=t.prompts_per_step,
+                            group_size=a.group_size, num_skip_refinement=a.num_skip_refinement,
                             refine=not self.config.experts.generator_only)
 
     def train_step(self, step: int) -> dict:

@@ -189,6 +189,6 @@ class GeneratorKind(ExpertKind):
     def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None, pad_to: int | None = None):
         s = self.spec
-        return generator_backward(model, reference, batch, adv, GeneratorObjective(
-            s.noise_level, s.clip_eps, s.kl_beta, s.kl_form, s.train_final_step, s.micro_batch), rows, before_last,
-            pad_to)
+        return generator_backward(model, reference, batch, adv, obj=GeneratorObjective(
+            s.noise_level, s.clip_eps, s.kl_beta, s.kl_form, s.train_final_step, s.micro_batch), samples=rows,
+            before_last=before_last, pad_to=pad_to)

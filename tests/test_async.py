@@ -146,8 +146,9 @@ def test_a_delivery_returns_while_a_rollout_runs_and_changes_none_of_its_weights
         experts = {e: ExpertActor(cfg, e) for e in cfg.experts.ids()}
         first = {e: expert.weights() for e, expert in experts.items()}
         get([worker.load_weights.remote(e, 0, w, fingerprint(w)) for e, w in first.items()])
-        samples = step_samples(build_task(cfg).train_prompts(), 0, cfg.trainer.seed, cfg.trainer.prompts_per_step,
-                               cfg.algorithm.group_size, cfg.algorithm.num_skip_refinement)
+        samples = step_samples(build_task(cfg).train_prompts(), step=0, seed=cfg.trainer.seed,
+                               prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.algorithm.group_size,
+                               num_skip_refinement=cfg.algorithm.num_skip_refinement)
         meta, *_ = worker.rollout.options(num_returns=2 + len(cfg.experts.active_refiners())).remote(
             0, samples, {e: 0 for e in first})
         deadline = time.monotonic() + 120

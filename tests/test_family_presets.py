@@ -108,7 +108,7 @@ def test_the_sd3_presets_kl_term_is_flow_grpos_on_the_same_tensors():
     batch = {"states": states, "state_steps": torch.arange(steps + 1), "logps": logps, "sigmas": sigmas,
              "sde": torch.ones(steps, dtype=torch.bool), "cond": per_sample, "shared_cond": shared}
     reference = reference_of(velocity)
-    _, stats = generator_backward(velocity, reference, batch, torch.zeros(len(PROMPTS)), GeneratorObjective(
+    _, stats = generator_backward(velocity, reference, batch, torch.zeros(len(PROMPTS)), obj=GeneratorObjective(
         preset.noise_level, preset.clip_eps, preset.kl_beta, preset.kl_form, preset.train_final_step))
     with torch.no_grad():
         theirs = [flow_grpo_kl(states[:, t], velocity(states[:, t], sigmas[t].expand(3), **cond),

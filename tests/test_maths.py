@@ -50,7 +50,7 @@ def test_an_sde_window_records_and_trains_only_its_steps():
     assert batch["sde"].tolist() == [False, True, True, False, False, False]
     assert (batch["logps"][:, [0, 3, 4, 5]] == 0).all() and (batch["logps"][:, [1, 2]] != 0).all()
     loss, stats = generator_backward(dit, build_model(CFG, "generator"), batch, torch.tensor([1.0, -1.0, 0.5, 0.0]),
-                                     OBJECTIVE)
+                                     obj=OBJECTIVE)
     assert abs(stats["ratio_mean"] - 1.0) < 1e-5
     x, sigmas = batch["states"][:, 0], batch["sigmas"]
     with torch.no_grad():  # step 0 is an Euler (ODE) step
@@ -61,7 +61,7 @@ def test_an_sde_window_records_and_trains_only_its_steps():
 def test_generator_recomputed_logprob_equals_recorded_so_first_ratio_is_one():
     dit, batch = _trajectories()
     ref = build_model(CFG, "generator")
-    loss, stats = generator_backward(dit, ref, batch, torch.tensor([1.0, -1.0, 0.5, 0.0]), OBJECTIVE)
+    loss, stats = generator_backward(dit, ref, batch, torch.tensor([1.0, -1.0, 0.5, 0.0]), obj=OBJECTIVE)
     assert abs(stats["ratio_mean"] - 1.0) < 1e-5
     assert stats["kl"] < 1e-10  # same weights as the reference
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in dit.parameters())
@@ -74,7 +74,7 @@ def test_refiner_recomputed_logprob_equals_recorded():
     again = lm.token_logprobs(prompts, tokens)
     torch.testing.assert_close(again * mask, logps * mask, rtol=1e-5, atol=1e-5)
     batch = {"prompts": prompts, "tokens": tokens, "logps": logps, "mask": mask}
-    loss, stats = refiner_loss(lm, build_model(CFG, "refiner_0"), batch, torch.ones(5), 0.2, 0.01)
+    loss, stats = refiner_loss(lm, build_model(CFG, "refiner_0"), batch, torch.ones(5), clip_eps=0.2, kl_beta=0.01)
     assert abs(stats["ratio_mean"] - 1.0) < 1e-5 and stats["kl"] < 1e-10
 
 
@@ -86,12 +86,13 @@ def test_refiner_ratio_is_taken_against_the_rollout_logprobs_and_clipped():
     tokens, logps, mask = lm.sample(prompts, torch.rand(5, lm.max_new_tokens, generator=torch.Generator().manual_seed(0)))
     stale = {"prompts": prompts, "tokens": tokens, "logps": logps - 0.5 * mask, "mask": mask}
     ref = build_model(CFG, "refiner_0")
-    loss, stats = refiner_loss(lm, ref, stale, torch.ones(5), 0.2, 0.0)
+    loss, stats = refiner_loss(lm, ref, stale, torch.ones(5), clip_eps=0.2, kl_beta=0.0)
     assert abs(stats["ratio_mean"] - float(np.exp(0.5))) < 1e-4
     loss.backward()  # A > 0 and r = 1.65 > 1.2: clipped, no gradient
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in lm.parameters())
     lm.zero_grad()
-    refiner_loss(lm, ref, stale, -torch.ones(5), 0.2, 0.0)[0].backward()  # A < 0: the pessimistic term is r
+    # A < 0: the pessimistic term is r
+    refiner_loss(lm, ref, stale, -torch.ones(5), clip_eps=0.2, kl_beta=0.0)[0].backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lm.parameters())
 
 
@@ -128,7 +129,8 @@ def test_micro_batches_accumulate_the_whole_batch_gradient():
     results = {}
     for micro in (20, None, 3, 1):
         dit.zero_grad()
-        loss, stats = generator_backward(dit, ref, batch, adv, GeneratorObjective(0.7, 0.2, 0.05, micro_batch=micro))
+        loss, stats = generator_backward(dit, ref, batch, adv,
+                                         obj=GeneratorObjective(0.7, 0.2, 0.05, micro_batch=micro))
         results[micro] = (loss, stats, _grads(dit))
     whole_loss, whole_stats, whole = results[20]  # 4 samples x 5 steps: all in one graph
     assert whole.abs().sum() > 0 and whole_stats["kl"] > 0
@@ -147,8 +149,9 @@ def test_the_final_step_can_be_left_untrained():
     _moved(dit)
     ref, adv = build_model(CFG, "generator"), torch.tensor([1.0, -1.0, 0.5, -0.3])
     short = {**batch, "sde": torch.tensor([True, True, False])}  # as if only the first two were SDE steps
-    without_last = generator_backward(dit, ref, batch, adv, GeneratorObjective(0.7, 0.2, 0.05, train_final_step=False))
-    first_two = generator_backward(dit, ref, short, adv, GeneratorObjective(0.7, 0.2, 0.05))
+    without_last = generator_backward(dit, ref, batch, adv,
+                                      obj=GeneratorObjective(0.7, 0.2, 0.05, train_final_step=False))
+    first_two = generator_backward(dit, ref, short, adv, obj=GeneratorObjective(0.7, 0.2, 0.05))
     assert without_last == first_two
 
 
@@ -160,7 +163,8 @@ def test_flow_grpo_kl_is_the_exact_kl_times_the_step():
     for form in ("exact", "flow_grpo"):
         for t in range(4):
             one = {**batch, "sde": torch.arange(4) == t}
-            per_step[form, t] = generator_backward(dit, ref, one, adv, GeneratorObjective(0.7, 0.2, 1.0, form))[1]["kl"]
+            objective = GeneratorObjective(0.7, 0.2, 1.0, form)
+            per_step[form, t] = generator_backward(dit, ref, one, adv, obj=objective)[1]["kl"]
     for t in range(4):
         delta = float(batch["sigmas"][t] - batch["sigmas"][t + 1])
         assert abs(per_step["flow_grpo", t] - per_step["exact", t] * delta) <= 1e-6 * per_step["exact", t]
@@ -174,13 +178,13 @@ def test_a_zero_kl_weight_never_runs_the_reference():
         token_logprobs = __call__
 
     dit, batch = _trajectories(steps=3)
-    loss, stats = generator_backward(dit, NoReference(), batch, torch.ones(4), GeneratorObjective(0.7, 1e-4, 0.0))
+    loss, stats = generator_backward(dit, NoReference(), batch, torch.ones(4), obj=GeneratorObjective(0.7, 1e-4, 0.0))
     assert stats["kl"] == 0.0
     lm = build_model(CFG, "refiner_0")
     prompts = [list(p.ids) for p in prompt_set(3, seed=2)]
     tokens, logps, mask = lm.sample(prompts, torch.rand(3, lm.max_new_tokens, generator=torch.Generator().manual_seed(0)))
     loss, stats = refiner_loss(lm, NoReference(), {"prompts": prompts, "tokens": tokens, "logps": logps, "mask": mask},
-                               torch.ones(3), 0.2, 0.0)
+                               torch.ones(3), clip_eps=0.2, kl_beta=0.0)
     assert stats["kl"] == 0.0 and torch.isfinite(loss)
 
 

@@ -78,7 +78,7 @@ def gradient(model) -> torch.Tensor:
 def test_micro_batches_and_rank_shares_give_the_whole_batchs_loss_and_gradient(setup):
     config, policy, reference, batch, adv = setup
     policy.zero_grad(set_to_none=True)
-    loss, stats = refiner_loss(FullLogits(policy), FullLogits(reference), batch, adv, CLIP, BETA)
+    loss, stats = refiner_loss(FullLogits(policy), FullLogits(reference), batch, adv, clip_eps=CLIP, kl_beta=BETA)
     loss.backward()
     whole = gradient(policy)
     assert whole.abs().sum() > 0 and stats["kl"] > 0 and abs(stats["ratio_mean"] - 1) > 1e-3

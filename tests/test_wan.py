@@ -176,7 +176,7 @@ def test_the_update_on_video_latents_reaches_both_transformers():
     batch = {"states": states, "state_steps": torch.arange(STEPS + 1), "logps": logps, "sigmas": sigmas, "sde": sde,
              "cond": per_sample, "shared_cond": shared}
     generator_backward(velocity.train(), reference_of(velocity), batch, torch.tensor([1.0, -1.0, 0.5]),
-                       GeneratorObjective(0.7, 1e-4, 0.01, "exact", True, 2 * STEPS))
+                       obj=GeneratorObjective(0.7, 1e-4, 0.01, "exact", True, 2 * STEPS))
     grads = {t: sum(float(p.grad.abs().sum()) for n, p in velocity.named_parameters()
                     if n.startswith(f"{t}.") and p.grad is not None) for t in ("transformer", "transformer_2")}
     assert all(g > 0 for g in grads.values()), grads

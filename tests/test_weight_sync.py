@@ -83,8 +83,9 @@ def test_what_leaves_an_expert_or_a_worker_holds_no_tensor_and_restores_exactly(
     for e in cfg.experts.ids():
         weights = expert.weights() if e == "generator" else ExpertActor(cfg, e).weights()
         worker.load_weights(e, 0, weights, fingerprint(weights))
-    samples = step_samples(build_task(cfg).train_prompts(), 0, cfg.trainer.seed, cfg.trainer.prompts_per_step,
-                           cfg.algorithm.group_size, cfg.algorithm.num_skip_refinement)
+    samples = step_samples(build_task(cfg).train_prompts(), step=0, seed=cfg.trainer.seed,
+                           prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.algorithm.group_size,
+                           num_skip_refinement=cfg.algorithm.num_skip_refinement)
     meta, trajectories, *tokens = worker.rollout(0, samples, {e: 0 for e in cfg.experts.ids()})
     stats = expert.update(0, 0, np.linspace(-1, 1, len(samples)), trajectories)
     snapshot = expert.snapshot()
