@@ -157,7 +157,8 @@ def measured_costs(config: Config) -> PhaseCosts:
         prompts, t, a = build_task(config).train_prompts(), config.trainer, config.algorithm
         draws = np.random.default_rng(t.seed)
         for step in (0, 1):
-            samples = samples_of(prompts, step, t.seed, t.prompts_per_step, a.group_size, a.num_skip_refinement,
+            samples = samples_of(prompts, step=step, seed=t.seed, prompts_per_step=t.prompts_per_step,
+                                 group_size=a.group_size, num_skip_refinement=a.num_skip_refinement,
                                  refine=not config.experts.generator_only)
             refined = [s for s in samples if s.refine]
             refinements, tokens, refine, update = [{} for _ in samples], {}, {}, {}
