@@ -218,7 +218,7 @@ class Expert:
         its stats, with `grad_norm`, the norm of the whole gradient before clipping (micro-batches
         add up to one gradient and one optimizer step: one norm per update). A non-finite loss leaves
         the weights as they were. In a gang each rank takes its share of the samples; their gradients
-        and stats are summed across ranks."""
+        and stats are summed across ranks. The gradients are freed once applied."""
         adv = torch.tensor(np.asarray(advantages), dtype=torch.float32, device=self.device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -241,4 +241,5 @@ class Expert:
             raise FloatingPointError(f"{self.expert_id}: non-finite loss at step {step}; update not applied")
         norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.config.algorithm.grad_clip)
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # not held through the next rollout (a colocated rank's)
         return {"loss": loss, **stats, "grad_norm": parallel.whole_norm(norm)}

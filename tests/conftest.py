@@ -2,6 +2,7 @@
 compare or look at what they wrote."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -186,3 +187,16 @@ def assert_same_rollout(a, b, tol: float = 1e-6) -> None:
             np.testing.assert_array_equal(batch["tokens"], b.tokens[e]["tokens"])
             np.testing.assert_array_equal(batch["mask"], b.tokens[e]["mask"])
             close(batch["logps"], b.tokens[e]["logps"], f"{e} token log-probs")
+
+
+@contextlib.contextmanager
+def gradients_applied(expert):
+    """The gradients each optimizer step of `expert` applies (clipped), in a list filled as it steps:
+    an update frees them once applied."""
+    applied = []
+    hook = expert.optimizer.register_step_pre_hook(
+        lambda *_: applied.append([p.grad.detach().clone() for p in expert.trainable]))
+    try:
+        yield applied
+    finally:
+        hook.remove()

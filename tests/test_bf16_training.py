@@ -20,7 +20,7 @@ from experts.trajectories import split_shared, trajectories
 from experts.weights import model_tensors, synced_state, travel_form, travelled
 from tasks.base import TextPrompt
 from tasks.shapes import prompt_set
-from tests.conftest import make_config
+from tests.conftest import gradients_applied, make_config
 
 LR, STEPS, N = 2e-7, 10, 4
 
@@ -89,20 +89,21 @@ def as_before(expert: Expert) -> Expert:
     return expert
 
 
-def train(expert: Expert, batch: dict) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+def train(expert: Expert, batch: dict) -> tuple[torch.Tensor, torch.Tensor, list[dict], list[torch.Tensor]]:
     """(the update of the trained weights after STEPS AdamW steps on `batch`, that of fp32 AdamW
-    given the same gradients each step, each step's stats)."""
+    given the same gradients each step, each step's stats, the last step's gradients)."""
     start = [p.detach().float().clone() for p in expert.trainable]
     shadow = [p.clone().requires_grad_() for p in start]
     fp32_adamw = torch.optim.AdamW(shadow, lr=LR)
     stats = []
-    for step in range(STEPS):
-        stats.append(expert.update(step, step, np.linspace(-1, 1, N), batch))
-        for s, p in zip(shadow, expert.trainable):
-            s.grad = p.grad.float()
-        fp32_adamw.step()
+    with gradients_applied(expert) as applied:
+        for step in range(STEPS):
+            stats.append(expert.update(step, step, np.linspace(-1, 1, N), batch))
+            for s, g in zip(shadow, applied[-1]):
+                s.grad = g.float()
+            fp32_adamw.step()
     moved = torch.cat([(p.detach().float() - s).flatten() for p, s in zip(expert.trainable, start)])
-    return moved, torch.cat([(p.detach() - s).flatten() for p, s in zip(shadow, start)]), stats
+    return moved, torch.cat([(p.detach() - s).flatten() for p, s in zip(shadow, start)]), stats, applied[-1]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -118,12 +119,12 @@ def test_ten_adamw_steps_at_lr_2e_7_move_bf16_weights_as_fp32_does(case):
         list(expert.reference.parameters())
     assert frozen and {p.dtype for p in frozen} == {torch.bfloat16}  # the base under LoRA, the reference copy
     batch = rollout(case, expert)
-    moved, fp32_adamw, stats = train(expert, batch)
-    assert {p.grad.dtype for p in expert.trainable} == {torch.float32}
+    moved, fp32_adamw, stats, grads = train(expert, batch)
+    assert {g.dtype for g in grads} == {torch.float32}
     assert {v.dtype for s in expert.optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
     assert stats[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # the trainer computes as the bf16 worker did
-    fp32_run, _, _ = train(started(case, as_bf16_start(Expert(config(case, "float32"), eid))), batch)
-    old, old_fp32_adamw, _ = train(as_before(started(case, Expert(config(case, "bfloat16"), eid))), batch)
+    fp32_run, *_ = train(started(case, as_bf16_start(Expert(config(case, "float32"), eid))), batch)
+    old, old_fp32_adamw, *_ = train(as_before(started(case, Expert(config(case, "bfloat16"), eid))), batch)
     # from the gradients it computes, the update is fp32 AdamW's; bf16 weights and moments lose it
     assert rel(moved, fp32_adamw) <= 1e-2 < rel(old, old_fp32_adamw)
     # against the fp32 model's run: the bf16 program rounds its gradients (about 1-2 %), which AdamW's
@@ -188,9 +189,13 @@ def test_a_sharded_bf16_expert_computes_and_keeps_as_one_process_does():
     try:
         sharded.join_gang(GangSpec("127.0.0.1", store.port, 1, 1, "gloo", 60.0), 0)
         batch = rollout("generator", one)
-        stats = [expert.update(0, 0, np.linspace(-1, 1, N), batch) for expert in (one, sharded)]
-        grads = [torch.cat([p.grad.full_tensor().flatten() if isinstance(p.grad, DTensor) else p.grad.flatten()
-                            for p in expert.trainable]) for expert in (one, sharded)]
+        stats, grads = [], []
+        for expert in (one, sharded):
+            with gradients_applied(expert) as applied:
+                stats.append(expert.update(0, 0, np.linspace(-1, 1, N), batch))
+            grads.append(torch.cat([g.full_tensor().flatten() if isinstance(g, DTensor) else g.flatten()
+                                    for g in applied[0]]))
+        assert all(p.grad is None for p in [*one.trainable, *sharded.trainable])  # freed once applied
         mine, theirs = sharded.weights(), one.weights()
         kept = {name: p.detach().to_local() for name, p in sharded.model.named_parameters()}
     finally:
