@@ -114,7 +114,7 @@ def optimizer_tensors(state: dict | None) -> dict | None:
 
 def model_tensors(model: torch.nn.Module, weights: dict, share: bool = False) -> dict[str, torch.Tensor]:
     """Travelled `weights` as the tensors `model` holds (its dtypes and device: a trainer's fp32
-    cast to a worker's bfloat16, rounded to nearest). `share`: read them in place (read-only
+    cast to a worker's bfloat16, rounded to nearest, on the worker's device). `share`: read them in place (read-only
     views) where they already are what the model needs, else copies."""
     own = synced_state(model)
     unknown = sorted(set(weights) - set(own))
@@ -128,7 +128,10 @@ def model_tensors(model: torch.nn.Module, weights: dict, share: bool = False) ->
         # a model whose weights an inference engine holds (experts/vllm_refiner.py) names them on the
         # meta device: they stay where they arrived (the host, or the device a broadcast filled)
         device = own[name].device if own[name].device.type != "meta" else tensor.device
-        out[name] = tensor.to(device, own[name].dtype, copy=not share)  # one copy at most
+        # moved first, then cast: a blocking host-to-GPU copy that also changes the dtype converts on
+        # the host (torch's copy_kernel_cuda), one thread for a whole version; on the GPU it is quick
+        moved = tensor.to(device)
+        out[name] = moved.to(own[name].dtype, copy=not share and moved is tensor)  # one copy at most
     return out
 
 
