@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
-from cluster.recovery import FaultCounts, survive
+from cluster.recovery import FaultCounts, Retry
 from cluster.reward_pool import spawn_pools
 from cluster.rollout_pool import Rollout
 from cluster.runtime import Runtime, get
@@ -30,6 +31,19 @@ def shares(items: list, ranks: int) -> list[list]:
     return [list(s) for s in np.array_split(np.array(items, dtype=object), ranks)]
 
 
+def fetched(fetch, calls) -> tuple:
+    return fetch(calls), calls
+
+
+def refinements_of(calls: list[tuple]) -> list:
+    """A refiner's ranks' refinements, from their (refinements, token batch) calls."""
+    return get([made for made, _ in calls])
+
+
+def metas_of(outputs: list[RolloutOutputs]) -> list[RolloutMeta]:
+    return get([o.meta for o in outputs])
+
+
 class ColocatedRollouts:
     """The driver's rollouts under `cluster.layout=colocated`: the same calls as `RolloutPool`'s,
     made of the experts' ranks (through the expert group) instead of rollout workers."""
@@ -37,6 +51,7 @@ class ColocatedRollouts:
     def __init__(self, config, runtime: Runtime, faults: FaultCounts, plan):
         """`plan(step)`: the samples of `step` (algorithm/batch.py)."""
         self.config, self.runtime, self.faults, self.plan = config, runtime, faults, plan
+        self.retry = Retry(config.cluster, faults)
         self.refiner_ids = list(config.experts.active_refiners())
         self.reward_pools = spawn_pools(config, runtime)
         self.workers: list = []  # the weight-sync actor has no one to deliver to
@@ -59,18 +74,17 @@ class ColocatedRollouts:
         experts.make_whole([*refiners, *(["generator"] if generate else [])])
         refined = [s for s in rollout.samples if s.refine]
         rows = [i for i, s in enumerate(rollout.samples) if s.refine]
-        submit = {e: lambda e=e: self.refine(step, e, refined, experts) for e in refiners}
+        submit = {e: partial(self.refine, step, e, refined, experts) for e in refiners}
         calls = {e: submit[e]() for e in refiners}
         rollout.refinements = rollout.refinements or [{} for _ in rollout.samples]
         for e in refiners:
-            made, calls[e] = self.survived(experts, e, calls[e], submit[e], lambda calls: get([m for m, _ in calls]))
+            made, calls[e] = self.survived(experts, e, calls[e], submit[e], fetch=refinements_of)
             rollout.tokens[e] = [tokens for _, tokens in calls[e]]
             for i, refinement in zip(rows, (r for share in made for r in share)):
                 rollout.refinements[i][e] = refinement
         if generate:
-            submit = lambda: self.generate(step, rollout, experts)  # noqa: E731
-            _, rollout.outputs = self.survived(experts, "generator", submit(), submit,
-                                               lambda outputs: get([o.meta for o in outputs]))
+            submit = partial(self.generate, step, rollout, experts)
+            _, rollout.outputs = self.survived(experts, "generator", submit(), submit, fetch=metas_of)
 
     def refine(self, step: int, e: str, refined: list, experts) -> list[tuple]:
         """Refiner `e`'s ranks' calls refining their shares of `refined`: per rank (its refinements,
@@ -90,20 +104,19 @@ class ColocatedRollouts:
             dict(experts.versions), self.runtime.members))
             for j, (rank, share) in enumerate(zip(gang.ranks, rollout.shares))]
 
-    def survived(self, experts, e: str, calls, submit, fetch):
+    def survived(self, experts, e: str, calls, submit, *, fetch):
         """`fetch(calls)`, with `calls = submit()` made again on expert `e`'s gang restored from its
         last snapshot if a rank died (or lost a peer) meanwhile: the same version, so the same
         result. Returns (what `fetch` returns, the calls it was fetched from)."""
-        def attempt(first):
-            nonlocal calls
-            if not first:
-                experts.restore(e)
-                calls = submit()
-            return fetch(calls), calls
-        out, faults = survive(attempt, lambda: experts.wait_alive(e), self.config.cluster,
-                              lost=(GangBroken, StaleExpert))
-        self.faults.expert_restarts += faults
-        return out
+        return self.retry(partial(fetched, fetch, calls), again=partial(self.made_again, experts, e, submit, fetch),
+                          recover=partial(experts.wait_alive, e), retried=(GangBroken, StaleExpert),
+                          name=f"{e}'s rollout share", counter="expert_restarts")
+
+    @staticmethod
+    def made_again(experts, e: str, submit, fetch) -> tuple:
+        """`submit()`'s calls fetched, on expert `e`'s gang restored from its last snapshot."""
+        experts.restore(e)
+        return fetched(fetch, submit())
 
     def remake(self, step: int, rollout: Rollout, experts) -> Rollout:
         """`rollout`'s outputs made again after they were lost with a node, for the experts not yet

@@ -11,6 +11,7 @@ every published version again.
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from ray.exceptions import ObjectLostError
@@ -18,7 +19,7 @@ from ray.exceptions import ObjectLostError
 from algorithm.credit import Advantages
 from cluster.expert_actor import ExpertActor
 from cluster.expert_gang import ExpertGang
-from cluster.recovery import FaultCounts, RolloutLost, SnapshotLost, keep_here, survive, this_node
+from cluster.recovery import FaultCounts, Retry, RolloutLost, SnapshotLost, keep_here, this_node
 from cluster.runtime import Runtime, get
 from cluster.weight_sync import SyncResult, WeightSyncActor
 from experts.expert import GangBroken, StaleExpert
@@ -33,7 +34,7 @@ class ExpertGroup:
         """`workers`: the rollout workers the experts publish to. `states`: each expert's
         (weights, optimizer, info) from a checkpoint, to start from. `expert_cls`: the experts'
         actor class (bench/perf.py's scaling simulation swaps in one whose update sleeps)."""
-        self.config, self.faults = config, faults
+        self.config, self.faults, self.retry = config, faults, Retry(config.cluster, faults)
         self.ids = config.experts.ids()
         self.kinds = {e: expert_kind(config, e) for e in self.ids}
         self.gangs = {e: ExpertGang(config, runtime, e, expert_cls) for e in self.ids}
@@ -54,18 +55,16 @@ class ExpertGroup:
     def first_snapshot(self, e: str, state: tuple | None) -> Snapshot:
         """Expert `e`'s starting snapshot, once it holds `state` if given. An expert killed
         meanwhile restarts as its config builds it, and is restored again."""
-        gang = self.gangs[e]
+        return self.retry(partial(self.started, e, state), recover=self.gangs[e].wait_alive,
+                          retried=(SnapshotLost, GangBroken), name=f"{e}'s start", counter="expert_restarts")
 
-        def attempt(first):
-            if state:
-                gang.restore(*state)
-            else:
-                gang.start()
-            return self.take_snapshot(e)
-        snapshot, faults = survive(attempt, gang.wait_alive, self.config.cluster,
-                                   lost=(SnapshotLost, GangBroken))
-        self.faults.expert_restarts += faults
-        return snapshot
+    def started(self, e: str, state: tuple | None) -> Snapshot:
+        """Expert `e`'s snapshot once its gang holds `state` (None: as its config builds it)."""
+        if state:
+            self.gangs[e].restore(*state)
+        else:
+            self.gangs[e].start()
+        return self.take_snapshot(e)
 
     def take_snapshot(self, e: str) -> Snapshot:
         """Expert `e`'s snapshot now, kept on the driver's node."""
@@ -97,19 +96,21 @@ class ExpertGroup:
         experts hold these versions now, so a collective run may broadcast them. If the sync actor
         or a worker died, everything published is delivered again through the object store, which
         rebuilds the restarted sync actor's registry and a restarted worker's weights."""
-        def attempt(first):
-            return get(self.sync.publish.remote(releases if first else {**self.published, **releases},
-                                                broadcast=current and first))
-
-        def alive():  # the sync actor and every worker answer once Ray has restarted them
-            get([self.sync.registrations.remote(), *[w.version_vector.remote() for w in self.workers]])
         if not releases:
             return SyncResult(0.0, None if self.workers else "none", None)
-        out, faults = survive(attempt, alive, self.config.cluster)
-        self.faults.sync_restarts += faults
+        out = self.retry(partial(self.sync_publish, releases, broadcast=current),
+                         again=partial(self.sync_publish, {**self.published, **releases}, broadcast=False),
+                         recover=self.sync_alive, name="weight sync", counter="sync_restarts")
         self.faults.sync_fallbacks += out.fallback is not None
         self.published.update(releases)
         return out
+
+    def sync_publish(self, releases: dict[str, Release], *, broadcast: bool) -> SyncResult:
+        return get(self.sync.publish.remote(releases, broadcast=broadcast))
+
+    def sync_alive(self) -> None:
+        """Returns once the sync actor and every worker answer (Ray has restarted them)."""
+        get([self.sync.registrations.remote(), *[w.version_vector.remote() for w in self.workers]])
 
     def update(self, step: int, due: list[str], advantages: Advantages, rollout, remake) -> dict[str, dict]:
         """The due experts' updates on `rollout`, concurrently, then each one's new snapshot; returns
@@ -129,30 +130,38 @@ class ExpertGroup:
         """Each due expert's update, exactly once. An expert that died is restarted by Ray,
         restored from its previous snapshot and given the same update again; its new snapshot must
         show this step's version."""
-        def submit(e):
-            inputs = self.kinds[e].update_inputs(advantages, rollout.refined, rollout.outputs_for(e))
-            return self.gangs[e].update(step, self.versions[e], *inputs), *self.gangs[e].snapshot()
-
         self.make_whole(due)
-        calls = {e: submit(e) for e in due}
+        calls = {e: self.submit_update(e, step, advantages, rollout) for e in due}
         for e in due:
-            def attempt(first, e=e):
-                if not first:
-                    calls[e] = submit(e)
-                updates, snapshot, others = calls[e]
-                try:
-                    result, info = get(updates)[0], get(snapshot.info)
-                    get(others)
-                except ObjectLostError as lost:
-                    raise RolloutLost(f"step {step}: {e}'s update lost its inputs ({type(lost).__name__})") from lost
-                if (info.version, info.last_step) != (self.versions[e] + 1, step):
-                    raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
-                return result, self.keep(snapshot, e)
-            (stats[e], self.snapshots[e]), faults = survive(attempt, lambda e=e: self.restore(e),
-                                                            self.config.cluster,
-                                                            lost=(StaleExpert, SnapshotLost))
-            self.faults.expert_restarts += faults
+            stats[e], self.snapshots[e] = self.retry(
+                partial(self.updated, e, step, calls[e]),
+                again=partial(self.update_again, e, step, advantages, rollout),
+                recover=partial(self.restore, e), retried=(StaleExpert, SnapshotLost),
+                name=f"{e}'s update at step {step}", counter="expert_restarts")
             self.versions[e] = stats[e]["version"]
+
+    def submit_update(self, e: str, step: int, advantages: Advantages, rollout) -> tuple:
+        """Expert `e`'s update on `rollout` and the snapshot after it, submitted: (the update's refs,
+        the snapshot, the other ranks' snapshot calls)."""
+        inputs = self.kinds[e].update_inputs(advantages, rollout.refined, rollout.outputs_for(e))
+        return self.gangs[e].update(step, self.versions[e], *inputs), *self.gangs[e].snapshot()
+
+    def updated(self, e: str, step: int, call: tuple) -> tuple[dict, Snapshot]:
+        """A submitted update's stats and its new snapshot, kept on the driver's node; the snapshot
+        must show this step's version (an expert that restarted between shows an older one)."""
+        updates, snapshot, others = call
+        try:
+            result, info = get(updates)[0], get(snapshot.info)
+            get(others)
+        except ObjectLostError as lost:
+            raise RolloutLost(f"step {step}: {e}'s update lost its inputs ({type(lost).__name__})") from lost
+        if (info.version, info.last_step) != (self.versions[e] + 1, step):
+            raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
+        return result, self.keep(snapshot, e)
+
+    def update_again(self, e: str, step: int, advantages: Advantages, rollout) -> tuple[dict, Snapshot]:
+        """Expert `e`'s update made again, on its gang restored from its previous snapshot."""
+        return self.updated(e, step, self.submit_update(e, step, advantages, rollout))
 
     def restore(self, e: str) -> None:
         """Expert `e`'s gang back to its last snapshot (raises RayActorError while Ray restarts a rank)."""
@@ -167,9 +176,8 @@ class ExpertGroup:
     def make_whole(self, expert_ids: list[str]) -> None:
         """Every gang of `expert_ids` with a restarted rank restored before anything is asked of it."""
         for e in expert_ids:
-            _, faults = survive(lambda first, e=e: self.gangs[e].check(), lambda e=e: self.restore(e),
-                                self.config.cluster, lost=(GangBroken,))
-            self.faults.expert_restarts += faults
+            self.retry(self.gangs[e].check, recover=partial(self.restore, e), retried=(GangBroken,),
+                       name=f"{e}'s gang", counter="expert_restarts")
 
     def saved_snapshots(self, staging: Path) -> dict[str, Snapshot]:
         """Every expert's latest snapshot as ObjectRefs, for a checkpoint's writer (on this node) to
@@ -184,11 +192,9 @@ class ExpertGroup:
         """Sharded expert `e`'s optimizer state as its ranks write it (`ExpertGang.optimizer_files`);
         a rank lost meanwhile, the gang is restored from its latest snapshot (the state being saved)
         and writes it again."""
-        files, faults = survive(lambda first: self.gangs[e].optimizer_files(str(into), this_node()),
-                                lambda: self.gangs[e].restore(*self.snapshots[e]), self.config.cluster,
-                                lost=(GangBroken,))
-        self.faults.expert_restarts += faults
-        return files
+        return self.retry(partial(self.gangs[e].optimizer_files, str(into), this_node()),
+                          recover=partial(self.gangs[e].restore, *self.snapshots[e]), retried=(GangBroken,),
+                          name=f"{e}'s optimizer files", counter="expert_restarts")
 
     def inspect(self) -> dict:
         """Where every version stands: the experts, their snapshots and the sync registry."""

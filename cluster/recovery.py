@@ -8,12 +8,15 @@ what the lost one would have. Inline mode has no actor faults and passes straigh
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 
 import ray
 from ray.exceptions import ObjectLostError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+LOG = logging.getLogger("jointrl.recovery")
 
 
 @dataclass
@@ -94,27 +97,47 @@ def failed_to_start(error: BaseException) -> bool:
     return isinstance(error, RayActorError) and error.actor_init_failed
 
 
-def survive(attempt, recover, restarts, lost: tuple = ()):
-    """`attempt(first)` fetches (and, when not `first`, first resubmits) a call's result. If its
-    actor died, or the result shows one of `lost`, `recover()` (waiting out Ray's restart, up to
-    `restarts.restart_wait_s` seconds) and attempt again, up to `restarts.max_restarts` times
-    (`restarts`: the config's cluster section); an actor that failed in its constructor is not
-    waited for. Returns (value, faults survived)."""
-    attempts, wait_s = restarts.max_restarts, restarts.restart_wait_s
-    faults = 0
-    while True:
-        try:
-            return attempt(faults == 0), faults
-        except (RayActorError, *lost) as error:
-            if faults == attempts or failed_to_start(error):
-                raise
-            faults += 1
-            deadline = time.monotonic() + wait_s
-            while True:
-                try:
-                    recover()
-                    break
-                except RayActorError as still:  # still restarting
-                    if time.monotonic() > deadline or failed_to_start(still):
-                        raise
-                    time.sleep(0.1)
+class Retry:
+    """The run's one way through an actor fault: a call whose actor died (or whose result shows one
+    of the faults the caller names) is made again once Ray has restarted the actor and `recover`
+    has brought the new instance back to where the old one was, up to `cluster.max_restarts` times,
+    each restart waited out for up to `cluster.restart_wait_s` seconds. An actor that failed in its
+    constructor is not waited for: Ray does not restart it. Each fault survived is logged under the
+    call's name and counted in the `FaultCounts` field the caller names."""
+
+    def __init__(self, cluster, faults: FaultCounts | None = None):
+        """`cluster`: the config's cluster section; `faults`: where survived faults are counted
+        (None: nowhere, for callers whose restarts no metric reports)."""
+        self.max_restarts, self.restart_wait_s, self.faults = cluster.max_restarts, cluster.restart_wait_s, faults
+
+    def __call__(self, call, *, recover, name: str, counter: str | None, again=None, retried: tuple = ()):
+        """`call()`'s value. After a fault, `recover()` (raising RayActorError while Ray still
+        restarts the actor), then `again()` (default: `call`), which makes the lost call anew.
+        `retried`: the exception types besides RayActorError that mean the call must be made again;
+        `counter`: the FaultCounts field each fault bumps."""
+        attempt, faults = call, 0
+        while True:
+            try:
+                return attempt()
+            except (RayActorError, *retried) as error:
+                if faults == self.max_restarts or failed_to_start(error):
+                    raise
+                faults += 1
+                LOG.warning("%s: %s (fault %d of at most %d); waiting for its actor and making the call again",
+                            name, type(error).__name__, faults, self.max_restarts)
+                if self.faults is not None and counter is not None:
+                    setattr(self.faults, counter, getattr(self.faults, counter) + 1)
+                self.recovered(recover)
+                attempt = again or call
+
+    def recovered(self, recover) -> None:
+        """`recover()`, tried again every 0.1 s while Ray restarts the actor, for up to
+        `restart_wait_s` seconds."""
+        deadline = time.monotonic() + self.restart_wait_s
+        while True:
+            try:
+                return recover()
+            except RayActorError as still:  # still restarting
+                if time.monotonic() > deadline or failed_to_start(still):
+                    raise
+                time.sleep(0.1)

@@ -12,11 +12,13 @@ and asked again, with the same result.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 from ray.exceptions import RayActorError
 
-from cluster.recovery import survive
+from cluster.recovery import Retry
 from cluster.runtime import get
 from cluster.startup import reports_start, start_failure
 from experts.devices import actor_device
@@ -82,7 +84,8 @@ class PooledTerm:
 
     def __init__(self, actors: list, first: int, restarts, images_per_call: int | None = None):
         """`restarts`: the config's cluster section (how often and how long an actor is waited for)."""
-        self.actors, self.turn, self.restarts, self.images_per_call = actors, first, restarts, images_per_call
+        self.actors, self.turn, self.images_per_call = actors, first, images_per_call
+        self.retry = Retry(restarts)  # a reward actor's restart is not among the run's fault counts
 
     def __call__(self, images, prompts, refinements):
         return self.ask("score", images, prompts, refinements)
@@ -108,9 +111,8 @@ class PooledTerm:
         answers = []
         for actor, args, call in parts:
             try:
-                values, _ = survive(lambda first, actor=actor, args=args, call=call:
-                                    get(call if first else getattr(actor, method).remote(*args)),
-                                    lambda actor=actor: get(actor.ready.remote()), self.restarts)
+                values = self.retry(partial(get, call), again=partial(self.ask_again, actor, method, args),
+                                    recover=partial(self.wait_ready, actor), name=f"reward {method}", counter=None)
             except RayActorError as error:  # one that Ray restarted could not start again: said in one line
                 if (failed := start_failure(error)) is None:
                     raise
@@ -120,3 +122,11 @@ class PooledTerm:
         if odd or len(answers) == 1:
             return odd[0] if odd else answers[0]
         return np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1) for a in answers])
+
+    @staticmethod
+    def ask_again(actor, method: str, args: tuple):
+        return get(getattr(actor, method).remote(*args))
+
+    @staticmethod
+    def wait_ready(actor) -> None:
+        get(actor.ready.remote())

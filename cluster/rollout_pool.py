@@ -11,10 +11,11 @@ its share again: a rollout is a pure function of step and weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
-from cluster.recovery import FaultCounts, NotSynced, settle, survive
+from cluster.recovery import FaultCounts, NotSynced, Retry, settle
 from cluster.reward_pool import spawn_pools
 from cluster.rollout_worker import RolloutWorker
 from cluster.runtime import Runtime, get
@@ -58,6 +59,7 @@ class RolloutPool:
     def __init__(self, config, runtime: Runtime, faults: FaultCounts, plan):
         """`plan(step)`: the samples of `step` (algorithm/batch.py)."""
         self.config, self.runtime, self.faults, self.plan = config, runtime, faults, plan
+        self.retry = Retry(config.cluster, faults)
         self.refiner_ids = list(config.experts.active_refiners())
         self.reward_pools = spawn_pools(config, runtime)
         self.workers = [runtime.spawn_member(RolloutWorker, config, j, runtime.members, name=f"rollout/{j}",
@@ -112,22 +114,28 @@ class RolloutPool:
         shares' metadata joined. A worker that died is restarted by Ray, loaded with the weights
         the rollout was made with and given its share again."""
         self.look_ahead(step, experts)
-        rollout, metas = self.in_flight.pop(step), []
-        for j, worker in enumerate(self.workers):
-            def attempt(first, worker=worker, j=j):
-                if not first:
-                    settle([rollout.outputs[j].trajectories, *rollout.outputs[j].tokens.values()])
-                    rollout.outputs[j] = self.submit_share(worker, step, rollout.shares[j], rollout.versions)
-                return get(rollout.outputs[j].meta)
-
-            def reload(worker=worker):
-                self.reloaded = True
-                get([worker.load_weights.remote(e, *release) for e, release in rollout.weights.items()])
-            meta, faults = survive(attempt, reload, self.config.cluster, lost=(NotSynced,))
-            self.faults.worker_restarts += faults
-            metas.append(meta)
-        rollout.meta = RolloutMeta.join(metas)
+        rollout = self.in_flight.pop(step)
+        rollout.meta = RolloutMeta.join([
+            self.retry(partial(self.share_meta, rollout, j), again=partial(self.share_again, step, rollout, j),
+                       recover=partial(self.reload, worker, rollout.weights), retried=(NotSynced,),
+                       name=f"rollout worker {j}, step {step}", counter="worker_restarts")
+            for j, worker in enumerate(self.workers)])
         return rollout
+
+    @staticmethod
+    def share_meta(rollout: Rollout, j: int) -> RolloutMeta:
+        return get(rollout.outputs[j].meta)
+
+    def share_again(self, step: int, rollout: Rollout, j: int) -> RolloutMeta:
+        """Worker `j`'s share of `rollout` submitted again (its earlier outputs' errors taken)."""
+        settle([rollout.outputs[j].trajectories, *rollout.outputs[j].tokens.values()])
+        rollout.outputs[j] = self.submit_share(self.workers[j], step, rollout.shares[j], rollout.versions)
+        return self.share_meta(rollout, j)
+
+    def reload(self, worker, weights: dict[str, Release]) -> None:
+        """A restarted `worker` given the `weights` a rollout is made with."""
+        self.reloaded = True
+        get([worker.load_weights.remote(e, *release) for e, release in weights.items()])
 
     def remake(self, step: int, rollout: Rollout, experts) -> Rollout:
         """`rollout` made again under the weights it was made with (its outputs were lost)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +98,7 @@ class DriverActor:
             due = [e for e in self.trained if step % cfg.expert(e).update_every == 0 and valid.any()]
             with marked_timer("update_s", timings):
                 stats = self.experts.update(step, due, adv, rollout,
-                                            remake=lambda: self.rollouts.remake(step, rollout, self.experts))
+                                            remake=partial(self.rollouts.remake, step, rollout, self.experts))
             sync = self.experts.publish(self.experts.ids if self.rollouts.take_reloaded() else due)
             total = total_reward(meta.terms, cfg.reward.weights)
             if meta.images is not None:
