@@ -6,10 +6,12 @@ the ones its rollout recorded, by the rounding of another order of operations: a
 token by token with a KV cache where its update reads the whole text in one pass, and a generator's
 transformer runs a batch of another size. This script runs exactly what `gpu_smoke.sh --preset <p>
 --tiny` runs (its own overrides: the preset's sampler and loss settings, bfloat16 refiners and
-generator, one step), but inline on the CPU, for --seeds seeds, and reports |ratio_mean - 1| per
-expert, the largest per kind, and the bound that the smoke run's table uses: RATIO_BOUND_MARGIN
-times the largest seen over refiners and generators (a GPU's kernels round in another order again;
-the margin is for that, not measured here).
+generator, one step; where vLLM is installed, refiner_0 sampled by a vLLM engine), but inline on
+the CPU, for --seeds seeds, and reports |ratio_mean - 1| per expert, the largest per kind, and the
+bounds that the smoke run's table uses: RATIO_BOUND_MARGIN times the largest seen over the HF
+loop's refiners and the generators (RATIO_TOL), and over the engine's refiners (ENGINE_RATIO_TOL:
+the engine's log-probs come from its own kernels, not the trainer's). A GPU's kernels round in
+another order again; the margin is for that, not measured here.
 
     python bench/smoke_bounds.py [--presets sd3 flux1 ...] [--seeds 2] [--out bench/results]
 
@@ -32,18 +34,22 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_smoke import GPU_PRESETS, RATIO_BOUND_MARGIN, smoke_config, smoke_overrides  # noqa: E402
 
+KINDS = ("HF loop", "vLLM engine")  # how a refiner samples; the generator is counted with the HF loop
+
 ON_THE_CPU = ["cluster.mode=inline", "logging.tensorboard=false", "logging.images_every=0", "logging.report=false",
               "experts.refiner_defaults.resources.num_gpus=0", "experts.generator.resources.num_gpus=0",
               "cluster.rollout_resources.num_gpus=0", "reward.resources.num_gpus=0",
               "reward.terms.geneval.resources={num_gpus: 0}", "reward.terms.pickscore.resources={num_gpus: 0}"]
 
 
-def first_ratios(preset: str, seed: int, work: Path, refiner: str | None) -> dict[str, float]:
-    """{expert: ppo/ratio_mean of the first step, and each refiner's largest per-token log-prob gap
-    as "<id> gap_max"} of the preset's tiny stand-in (its refiners' model `refiner` if given), one
-    step inline."""
+def first_ratios(preset: str, seed: int, work: Path, refiner: str | None) -> tuple[dict[str, float], set[str]]:
+    """({expert: ppo/ratio_mean of the first step, and each refiner's largest per-token log-prob gap
+    as "<id> gap_max"}, the refiners sampled by an engine) of the preset's tiny stand-in (its
+    refiners' model `refiner` if given), one step inline."""
     _, overrides = smoke_overrides(preset, True, 1, 80.0, 1, False)
-    prompts = smoke_config(preset, True, 1, 80.0, 1, None, False).trainer.prompts_per_step
+    config = smoke_config(preset, True, 1, 80.0, 1, None, False)
+    prompts = config.trainer.prompts_per_step
+    engines = {e for e, r in config.experts.active_refiners().items() if r.engine == "vllm"}
     sets = [*overrides, f"trainer.prompts_per_step={prompts}", *ON_THE_CPU, f"trainer.seed={seed}",
             *([f"experts.refiner_defaults.model.path={refiner}", "experts.refiner_defaults.max_new_tokens=48"]
               if refiner else [])]
@@ -56,35 +62,37 @@ def first_ratios(preset: str, seed: int, work: Path, refiner: str | None) -> dic
         raise RuntimeError(f"{preset} seed {seed} failed:\n{done.stderr[-3000:]}")
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     return {**{k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith("ppo/ratio_mean/")},
-            **{f"{k.split('/')[1]} gap_max": v for k, v in row.items() if k.endswith("/logprob_gap_max")}}
+            **{f"{k.split('/')[1]} gap_max": v for k, v in row.items() if k.endswith("/logprob_gap_max")}}, engines
 
 
-def report(found: dict[tuple[str, int], dict[str, float]], seeds: int, minutes: float, refiner: str | None) -> str:
-    kinds = {"refiners": [], "generator": []}
+def report(found: dict[tuple[str, int], tuple[dict[str, float], set[str]]], seeds: int, minutes: float,
+           refiner: str | None) -> str:
+    kinds = {kind: [] for kind in KINDS}
     flags = f" --seeds {seeds}" + (f" --refiner {refiner}" if refiner else "")
     lines = ["# The GPU smoke run's first-step ratio bound", "",
              f"`python bench/smoke_bounds.py{flags}` ({minutes:.0f} min on this machine's CPU): each GPU preset's "
              "tiny stand-in (`gpu_smoke.sh --preset <p> --tiny`'s config: bfloat16 refiners and generator, the "
-             "preset's sampler and loss settings) trained one step inline, |ppo/ratio_mean - 1| per expert, and "
-             "each refiner's largest per-token |trainer - rollout| log-prob gap.", "",
+             "preset's sampler and loss settings; a refiner marked (vLLM) sampled by a vLLM engine) trained one "
+             "step inline, |ppo/ratio_mean - 1| per expert, and each refiner's largest per-token "
+             "|trainer - rollout| log-prob gap.", "",
              "| preset | seed | refiner_0 | refiner_1 | generator | refiner_0 gap_max | refiner_1 gap_max |",
              "|---|---|---|---|---|---|---|"]
-    for (preset, seed), ratios in found.items():
+    for (preset, seed), (ratios, engines) in found.items():
         cells = []
         for e in ("refiner_0", "refiner_1", "generator"):
             gap = abs(ratios[e] - 1.0) if e in ratios else None
-            cells.append("–" if gap is None else f"{gap:.1e}")
+            cells.append("–" if gap is None else f"{gap:.1e}" + (" (vLLM)" if e in engines else ""))
             if gap is not None:
-                kinds["generator" if e == "generator" else "refiners"].append(gap)
+                kinds[KINDS[e in engines]].append(gap)
         cells += [f"{ratios[k]:.1e}" if k in ratios else "–" for k in ("refiner_0 gap_max", "refiner_1 gap_max")]
         lines.append(f"| {preset} | {seed} | " + " | ".join(cells) + " |")
-    largest = max(g for gaps in kinds.values() for g in gaps)
-    lines += ["", *[f"- largest gap, {kind}: {max(gaps):.1e}" for kind, gaps in kinds.items() if gaps],
-              f"- bound: {RATIO_BOUND_MARGIN:g} x {largest:.1e} = **{RATIO_BOUND_MARGIN * largest:.1e}** "
-              f"(`RATIO_TOL` in bench/gpu_smoke.py must be at least this)",
-              "- what this cannot say: a CPU's bfloat16 kernels give the rollout's and the update's log-probs "
-              "alike to ~1e-7 here, so this is a floor for the bound, not the GPU's gap (other kernels for a "
-              "KV-cached decode than for one pass); the first GPU smoke run prints its own ratios"]
+    names = {"HF loop": "RATIO_TOL", "vLLM engine": "ENGINE_RATIO_TOL"}
+    lines += ["", *[f"- bound, {kind}: {RATIO_BOUND_MARGIN:g} x the largest gap {max(gaps):.1e} = "
+                    f"**{RATIO_BOUND_MARGIN * max(gaps):.1e}** (`{names[kind]}` in bench/gpu_smoke.py must be at "
+                    f"least this)" for kind, gaps in kinds.items() if gaps],
+              "- what this cannot say: these are a CPU's bfloat16 kernels (for the engine, vLLM's CPU backend); a "
+              "GPU's round in another order again (and decode with a KV cache in other kernels than one pass), so "
+              "they are floors for the bounds, not the GPU's gaps; the first GPU smoke run prints its own ratios"]
     return "\n".join(lines) + "\n"
 
 
@@ -102,7 +110,7 @@ def main() -> int:
         for preset in args.presets:
             for seed in range(args.seeds):
                 found[preset, seed] = first_ratios(preset, seed, Path(work), args.refiner)
-                print(f"{preset} seed {seed}: " + ", ".join(f"{e} {r:.6f}" for e, r in found[preset, seed].items()),
+                print(f"{preset} seed {seed}: " + ", ".join(f"{e} {r:.6f}" for e, r in found[preset, seed][0].items()),
                       flush=True)
     text = report(found, args.seeds, (time.perf_counter() - start) / 60, args.refiner)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ RANDOM = "random:"
 # kind -> builder `package.module:function(out_dir) -> out_dir`; bump a kind's suffix when its builder changes
 BUILDERS = {
     "qwen2": "experts.tiny_hf:tiny_text_lm",
+    "qwen2_engine": "experts.tiny_hf:tiny_engine_lm",
     "sd3": "experts.tiny_hf:tiny_text_sd3",
     "flux1": "experts.tiny.flux1:tiny_flux1",
     "flux2_klein": "experts.tiny.flux2:tiny_flux2_klein",

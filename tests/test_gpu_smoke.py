@@ -3,6 +3,8 @@ acceptance run would plan it, and the verdict passes a run that held its plan an
 run can miss it (the GPU run itself needs a GPU)."""
 from __future__ import annotations
 
+import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,10 +34,17 @@ def test_every_gpu_presets_tiny_stand_in_is_planned_onto_one_gpu(preset):
     preset_generator = resolve_config(preset).experts.generator
     assert all(getattr(g, k) == getattr(preset_generator, k) for k in gpu_smoke.PRESET_GENERATOR_KEYS)
     assert config.trainer.steps == 2 and config.trainer.prompts_per_step == gpu_smoke.smallest_batch(config)
+    if importlib.util.find_spec("vllm"):  # where vLLM is installed, refiner_0 is sampled by an engine, planned
+        r = config.experts.active_refiners()["refiner_0"]
+        assert r.engine == "vllm" and r.model.path == gpu_smoke.ENGINE_LM and r.model.dtype == "bfloat16"
+        kv_cache = plan.actors["rollout/0"].bytes["KV cache: refiner_0 (vLLM engine)"]
+        assert kv_cache == int(r.vllm.kv_cache_gib * 2**30)
 
 
 CONFIG = SimpleNamespace(trainer=SimpleNamespace(steps=2), experts=SimpleNamespace(ids=lambda: ["refiner_0", "generator"]),
                          expert=lambda e: SimpleNamespace(train=True))
+ON_ENGINE = SimpleNamespace(trainer=CONFIG.trainer, experts=CONFIG.experts,  # refiner_0 sampled by a vLLM engine
+                            expert=lambda e: SimpleNamespace(train=True, engine="vllm" if e == "refiner_0" else "hf"))
 
 
 def rows_of(**changes) -> list[dict]:
@@ -45,8 +54,8 @@ def rows_of(**changes) -> list[dict]:
     return [{k: v for k, v in {**r, **changes}.items() if v is not None} for r in rows]
 
 
-def failed(gpus, rows=None, asked="object_store") -> list[str]:
-    return [c.what for c in gpu_smoke.checks(rows or rows_of(), CONFIG, gpus, asked) if c.ok is False]
+def failed(gpus, rows=None, asked="object_store", config=CONFIG) -> list[str]:
+    return [c.what for c in gpu_smoke.checks(rows or rows_of(), config, gpus, asked) if c.ok is False]
 
 
 def test_the_verdict_passes_a_run_that_held_its_plan_and_fails_each_miss():
@@ -65,9 +74,24 @@ def test_the_verdict_passes_a_run_that_held_its_plan_and_fails_each_miss():
     assert "every planned GPU used, as planned" in failed(idle)
     assert failed(held, rows_of(**{"ppo/ratio_mean/generator": 1.002})) == ["first update on policy"]
     assert failed(held, rows_of(**{"ppo/ratio_mean/refiner_0": None})) == ["first update on policy"]
+    engine_gap = rows_of(**{"ppo/ratio_mean/refiner_0": 1.0 + gpu_smoke.ENGINE_RATIO_TOL / 2})
+    assert failed(held, engine_gap) == ["first update on policy"]  # beyond the HF loop's bound
+    assert failed(held, engine_gap, config=ON_ENGINE) == []  # within an engine's
+    assert failed(held, rows_of(**{"ppo/ratio_mean/refiner_0": 1.0 + 2 * gpu_smoke.ENGINE_RATIO_TOL}),
+                  config=ON_ENGINE) == ["first update on policy"]
     assert failed(held, asked="collective") == ["weights travelled as asked"]  # it fell back to the object store
     assert failed(held, rows_of()[:1]) == ["completed"]
     tiny = [gpu_smoke.GPURow(0, ["expert/generator"], int(0.05 * GB), [0], int(0.09 * GB))]
     verdict = gpu_smoke.checks(rows_of(), CONFIG, tiny, "object_store")
     assert [c.ok for c in verdict if c.what.startswith("GPU 0")] == [None]  # shown without a verdict
     assert gpu_smoke.table("tiny", tiny, verdict).endswith("PASSED")
+
+
+def test_the_ratio_bounds_are_at_least_the_margin_times_what_smoke_bounds_measured():
+    """bench/smoke_bounds.py measures the first-step gaps of the tiny stand-ins in bfloat16 and writes
+    the bounds they call for; the smoke run's bounds are not below them."""
+    text = (Path(gpu_smoke.ROOT) / "bench" / "results" / "smoke_bounds.md").read_text()
+    bound = r"- bound, (HF loop|vLLM engine): .* = \*\*([0-9.e+-]+)\*\*"
+    called = {kind: float(v) for kind, v in re.findall(bound, text)}
+    assert set(called) == {"HF loop", "vLLM engine"}, text
+    assert gpu_smoke.RATIO_TOL >= called["HF loop"] and gpu_smoke.ENGINE_RATIO_TOL >= called["vLLM engine"]
