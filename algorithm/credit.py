@@ -69,7 +69,7 @@ def term_scales(terms: dict[str, np.ndarray], groups: np.ndarray, include: np.nd
 
 
 def group_normalise(values: np.ndarray, groups: np.ndarray, include: np.ndarray, clip: float,
-                    batch_std: bool = False) -> np.ndarray:
+                    *, batch_std: bool = False) -> np.ndarray:
     """A = clip((R - mean) / (std + 1e-4), +-clip) within each group over `include` (GRPO eq. 3's
     normalised outcome reward), the std the whole batch's over `include` if `batch_std`; 0 elsewhere."""
     adv = np.zeros_like(values, dtype=np.float64)

@@ -147,7 +147,7 @@ def transition_chunks(samples: torch.Tensor, steps: torch.Tensor, micro_batch: i
     return [(rows[i:i + size], cols[i:i + size]) for i in range(0, len(rows), size)]
 
 
-def step_kl(mean, ref_mean, std, delta, kl_form: str) -> torch.Tensor:
+def step_kl(mean, ref_mean, std, delta, *, kl_form: str) -> torch.Tensor:
     """Per transition, KL(policy step || reference step) in `kl_form` (module docstring), averaged
     over dimensions; `delta` = |sigma_next - sigma| broadcast like `mean`."""
     exact = (((mean - ref_mean) ** 2) / (2 * std ** 2)).flatten(1).mean(1)
@@ -166,14 +166,16 @@ def transition_losses(policy, reference, batch: dict, adv: torch.Tensor, *, rows
     s, s_next = sigmas[cols].view(shape), sigmas[cols + 1].view(shape)
     cond = {**{name: v[rows] for name, v in batch["cond"].items()}, **batch["shared_cond"]}
     sigma_max = float(sigmas[1])
-    mean, std = sde_mean_std(x, policy(x, s.flatten(), **cond), s, s_next, obj.noise_level, sigma_max)
+    mean, std = sde_mean_std(x, policy(x, s.flatten(), **cond), s, s_next, noise_level=obj.noise_level,
+                             sigma_max=sigma_max)
     ratio = torch.exp(gaussian_logp(x_next, mean, std) - batch["logps"][rows, cols])
     losses = clipped_surrogate(ratio, adv[rows], obj.clip_eps)
     kl = torch.zeros_like(losses)
     if obj.kl_beta:
         with torch.no_grad():
-            ref_mean, _ = sde_mean_std(x, reference(x, s.flatten(), **cond), s, s_next, obj.noise_level, sigma_max)
-        kl = step_kl(mean, ref_mean, std, s - s_next, obj.kl_form)
+            ref_mean, _ = sde_mean_std(x, reference(x, s.flatten(), **cond), s, s_next, noise_level=obj.noise_level,
+                                       sigma_max=sigma_max)
+        kl = step_kl(mean, ref_mean, std, s - s_next, kl_form=obj.kl_form)
         losses = losses + obj.kl_beta * kl
     return losses, kl.detach(), ratio.detach()
 

@@ -33,7 +33,7 @@ def sde_steps(steps: int, window: list[int] | None) -> torch.Tensor:
     return mask
 
 
-def sde_mean_std(x, v, sigma, sigma_next, noise_level: float, sigma_max: float):
+def sde_mean_std(x, v, sigma, sigma_next, *, noise_level: float, sigma_max: float):
     """Mean and standard deviation of the Gaussian transition x -> x_next (Flow-GRPO eq. 12, sigma
     broadcastable); the std is std_t * sqrt(|Delta|), the Euler-Maruyama step of eq. 11."""
     delta = sigma_next - sigma
@@ -56,7 +56,7 @@ def _bcast(s: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(velocity, noise: torch.Tensor, sigmas: torch.Tensor, noise_level: float, sde: torch.Tensor):
+def sample(velocity, noise: torch.Tensor, sigmas: torch.Tensor, noise_level: float, *, sde: torch.Tensor):
     """Flow-GRPO's rollout: integrate from noise[:, 0] along `sigmas` (T+1, from 1 down to 0);
     `noise` (B, T+1, ...) holds every Gaussian draw, `velocity(x, sigma)` is the conditioned model,
     and the transitions marked in `sde` (T,) are SDE steps, the others ODE steps.
@@ -70,7 +70,7 @@ def sample(velocity, noise: torch.Tensor, sigmas: torch.Tensor, noise_level: flo
         s, s_next = _bcast(sigmas[t], x), _bcast(sigmas[t + 1], x)
         v = velocity(x, sigmas[t].expand(b))
         if sde[t]:
-            mean, std = sde_mean_std(x, v, s, s_next, noise_level, float(sigmas[1]))
+            mean, std = sde_mean_std(x, v, s, s_next, noise_level=noise_level, sigma_max=float(sigmas[1]))
             x = mean + std * noise[:, t + 1]
             logps.append(gaussian_logp(x, mean, std))
         else:

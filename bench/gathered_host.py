@@ -43,7 +43,7 @@ def rank_main(rank: int, port: int, width: int, layers: int, leader_only: bool, 
     torch.manual_seed(0)
     model = nn.Sequential(nn.ModuleList([nn.Linear(width, width, bias=False) for _ in range(layers)]))
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    parallel.join_group("127.0.0.1", port, "gang-0", rank, 2, "gloo", 120)
+    parallel.join_group("127.0.0.1", port, "gang-0", rank, world_size=2, backend="gloo", timeout_s=120)
     parallel.shard(model, torch.device("cpu"))
     state = model.state_dict()
     process, peak, running = psutil.Process(), [0], [True]

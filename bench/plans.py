@@ -165,7 +165,8 @@ def measure_child(path: str, image_size: int, text: int, checkpointing: bool) ->
     noise = torch.randn((BATCH, STEPS + 1, *frontend.latent_shape), generator=torch.Generator().manual_seed(0))
     sigmas = frontend.sigmas(STEPS)
     with torch.no_grad():
-        states, logps = sample(lambda x, s: policy(x, s, **cond), noise, sigmas, 0.7, torch.ones(STEPS, dtype=torch.bool))
+        states, logps = sample(lambda x, s: policy(x, s, **cond), noise, sigmas, 0.7,
+                               sde=torch.ones(STEPS, dtype=torch.bool))
     per_sample, shared = split_shared(cond)
     batch = {"states": states, "state_steps": torch.arange(STEPS + 1), "logps": logps, "sigmas": sigmas,
              "cond": per_sample, "shared_cond": shared}

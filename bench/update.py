@@ -66,7 +66,7 @@ def setup(path: Path, beta: float, device: torch.device):
             if p.requires_grad:
                 p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(device))
         states, logps = sample(lambda x, s: policy(x, s, **cond), noise.to(device), sigmas, NOISE_LEVEL,
-                               torch.ones(STEPS, dtype=torch.bool))
+                               sde=torch.ones(STEPS, dtype=torch.bool))
     per_sample, shared = split_shared(cond)
     batch = {"states": states, "state_steps": torch.arange(STEPS + 1, device=device), "logps": logps,
              "sigmas": sigmas, "cond": per_sample, "shared_cond": shared}

@@ -66,7 +66,7 @@ def measure(engine: str, n_prompts: int, repeats: int, threads: int, compiled: b
     times, drawn = [], 0
     for attempt in range(repeats + 1):
         start = time.perf_counter()
-        _, batch = refine_samples(model, "refiner_0", 0, attempt, samples, torch.device(device))
+        _, batch = refine_samples(model, "refiner_0", 0, attempt, samples=samples, device=torch.device(device))
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

@@ -64,7 +64,7 @@ def sampling(repeats: int) -> dict:
         frontend.cache = FeatureCache(frontend.cache.max_bytes)  # text encoded every time, as the pipeline does
         cond = frontend.condition([TextPrompt(p) for p in prompts], [{} for _ in prompts])
         return sample(lambda x, s: velocity(x, s, **cond), noise, frontend.sigmas(STEPS), 0.7,
-                      torch.ones(STEPS, dtype=torch.bool))
+                      sde=torch.ones(STEPS, dtype=torch.bool))
 
     def theirs():
         return pipe(prompt=prompts, latents=noise[:, 0].clone(), num_inference_steps=STEPS, guidance_scale=GUIDANCE,
@@ -98,7 +98,7 @@ def update_peak(trained: int) -> dict:
     noise = torch.randn((BATCH, STEPS + 1, *frontend.latent_shape), generator=torch.Generator().manual_seed(0))
     sigmas, sde = frontend.sigmas(STEPS), torch.arange(STEPS) < trained
     with torch.no_grad():
-        states, logps = sample(lambda x, s: policy(x, s, **cond), noise, sigmas, 0.7, sde)
+        states, logps = sample(lambda x, s: policy(x, s, **cond), noise, sigmas, 0.7, sde=sde)
     per_sample, shared = split_shared(cond)
     batch = {"states": states, "state_steps": torch.arange(STEPS + 1), "logps": logps, "sigmas": sigmas, "sde": sde,
              "cond": per_sample, "shared_cond": shared}

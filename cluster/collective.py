@@ -130,8 +130,8 @@ class BroadcastGroup:
             raise RuntimeError("cluster.collective_backend=nccl needs a GPU in every expert and rollout "
                                "worker; use gloo (CPU weights) or cluster.sync=object_store")
         backend = backend_for(spec.device)
-        join_group(spec.host, spec.port, f"generation-{spec.generation}", rank, spec.world_size, backend,
-                   spec.timeout_s)
+        join_group(spec.host, spec.port, f"generation-{spec.generation}", rank, world_size=spec.world_size,
+                   backend=backend, timeout_s=spec.timeout_s)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         # every rank takes part in creating every subgroup, in the same order
         self.groups = {e: dist.new_group(ranks, backend=backend, timeout=timeout)

@@ -68,7 +68,7 @@ class ColocatedRollouts:
                                busy_s=time.perf_counter() - start)
         return rollout
 
-    def make(self, step: int, rollout: Rollout, experts, refiners: list[str], generate: bool) -> None:
+    def make(self, step: int, rollout: Rollout, experts, refiners: list[str], *, generate: bool) -> None:
         """The rollout's token batches of `refiners` (their refinements kept in the rollout), all
         refining at once, then, if `generate`, the generator's shares from every refinement kept."""
         experts.make_whole([*refiners, *(["generator"] if generate else [])])
@@ -101,7 +101,7 @@ class ColocatedRollouts:
         cut = np.cumsum([0, *map(len, rollout.shares)])
         return [RolloutOutputs(*rank.roll_out.options(num_returns=3).remote(
             step, experts.versions["generator"], share, rollout.refinements[cut[j]:cut[j + 1]],
-            dict(experts.versions), self.runtime.members))
+            versions=dict(experts.versions), members=self.runtime.members))
             for j, (rank, share) in enumerate(zip(gang.ranks, rollout.shares))]
 
     def survived(self, experts, e: str, calls, submit, *, fetch):

@@ -25,7 +25,7 @@ from ray._private import ray_constants
 
 
 def connect(address: str | None, num_cpus: int | None = None, log_file: Path | None = None,
-            num_gpus: int | None = None, temp_dir: str | None = None, spill_dir: str | None = None) -> None:
+            num_gpus: int | None = None, *, temp_dir: str | None = None, spill_dir: str | None = None) -> None:
     """Attach to `address` (or RAY_ADDRESS, as under `ray job submit`), else start Ray locally.
 
     A local Ray binds to 127.0.0.1 and runs without the dashboard; token authentication stays

@@ -53,13 +53,13 @@ class ExpertActor(Expert, BroadcastMember):
             raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to send version {version}")
         self.broadcast_group.send(self.expert_id, travel_form(synced_state(self.model)))
 
-    def roll_out(self, step: int, version: int, samples: list, refinements: list[dict], versions: dict[str, int],
+    def roll_out(self, step: int, version: int, samples: list, refinements: list[dict], *, versions: dict[str, int],
                  members: Members | None = None):
         """`Expert.roll_out` (`cluster.layout=colocated`), its terms that reward actors score asked
         of them (found among the run's `members`), each rank starting at its own actor of a pool."""
         scorers = None if self.pipeline else pooled_scorers(self.config, members, self.gang.rank if self.gang else 0,
                                                               f"expert/{self.expert_id}")
-        return Expert.roll_out(self, step, version, samples, refinements, versions, scorers)
+        return Expert.roll_out(self, step, version, samples, refinements, versions=versions, scorers=scorers)
 
     def node(self) -> str | None:
         """The Ray node this expert runs on now (it may move when Ray restarts it)."""

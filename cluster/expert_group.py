@@ -29,7 +29,7 @@ from experts.state_file import SHARDS
 
 
 class ExpertGroup:
-    def __init__(self, config, runtime: Runtime, faults: FaultCounts, workers: list, states: dict | None = None,
+    def __init__(self, config, runtime: Runtime, faults: FaultCounts, workers: list, *, states: dict | None = None,
                  expert_cls=ExpertActor):
         """`workers`: the rollout workers the experts publish to. `states`: each expert's
         (weights, optimizer, info) from a checkpoint, to start from. `expert_cls`: the experts'
@@ -112,7 +112,7 @@ class ExpertGroup:
         """Returns once the sync actor and every worker answer (Ray has restarted them)."""
         get([self.sync.registrations.remote(), *[w.version_vector.remote() for w in self.workers]])
 
-    def update(self, step: int, due: list[str], advantages: Advantages, rollout, remake) -> dict[str, dict]:
+    def update(self, step: int, due: list[str], advantages: Advantages, rollout, *, remake) -> dict[str, dict]:
         """The due experts' updates on `rollout`, concurrently, then each one's new snapshot; returns
         each expert's stats. If the rollout outputs an update reads were lost with their node,
         `remake()` makes the rollout again (a pure function of step and weights) and the experts
@@ -120,13 +120,13 @@ class ExpertGroup:
         stats: dict[str, dict] = {}
         while True:
             try:
-                self.apply_updates(step, [e for e in due if e not in stats], advantages, rollout, stats)
+                self.apply_updates(step, [e for e in due if e not in stats], advantages, rollout, stats=stats)
                 return stats
             except RolloutLost:
                 self.faults.rollouts_lost += 1
                 rollout = remake()
 
-    def apply_updates(self, step: int, due: list[str], advantages: Advantages, rollout, stats: dict) -> None:
+    def apply_updates(self, step: int, due: list[str], advantages: Advantages, rollout, *, stats: dict) -> None:
         """Each due expert's update, exactly once. An expert that died is restarted by Ray,
         restored from its previous snapshot and given the same update again; its new snapshot must
         show this step's version."""

@@ -67,7 +67,7 @@ class Placement:
             planned = {name for gpu in gpu_groups for name, _ in gpu}
             asked = {name: b for actors in groups.values() for name, b in actors.items()}
             groups = {g: {n: b for n, b in actors.items() if n not in planned} for g, actors in groups.items()}
-            self.reserve_gpus(config, run_name, gpu_groups, asked, strategy)
+            self.reserve_gpus(config, run_name, gpu_groups, asked, strategy=strategy)
         for group, actors in groups.items():
             if not actors:
                 continue
@@ -81,7 +81,7 @@ class Placement:
                 self.options[name] = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=False)}
 
-    def reserve_gpus(self, config, run_name: str, gpu_groups: list, asked: dict, strategy: str) -> None:
+    def reserve_gpus(self, config, run_name: str, gpu_groups: list, asked: dict, *, strategy: str) -> None:
         """One bundle per planned GPU ({"GPU": 1} and its actors' other resources), each actor in its own."""
         bundles = []
         for gpu in gpu_groups:

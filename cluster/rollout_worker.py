@@ -58,7 +58,7 @@ class RolloutWorker(RolloutPipeline, BroadcastMember):
         """Hold `version` of `expert_id`; `weights` (travelled arrays) must match `checksum` if given.
         With `cluster.share_weights` the model reads them where they lie (read-only views of the
         object store, shared by every worker on the node); else it copies them."""
-        return self.serve(expert_id, version, weights, checksum, self.config.cluster.share_weights)
+        return self.serve(expert_id, version, weights, checksum, share=self.config.cluster.share_weights)
 
     @ray.method(concurrency_group=DELIVERY)
     def receive_weights(self, expert_id: str, version: int, checksum: int) -> int:
@@ -78,7 +78,7 @@ class RolloutWorker(RolloutPipeline, BroadcastMember):
     def broadcast_device(self) -> tuple | None:
         return BroadcastMember.broadcast_device(self)
 
-    def serve(self, expert_id: str, version: int, weights: dict, checksum: int | None, share: bool) -> int:
+    def serve(self, expert_id: str, version: int, weights: dict, checksum: int | None, *, share: bool) -> int:
         """Hold `weights` as `version` once they match `checksum`, and serve it between rollouts if it
         is the newest delivered: at once if no rollout is running, else once it is over (the next
         call that reads what is served catches up); returns `version`. A version older than one

@@ -89,7 +89,7 @@ def load_index(path: str) -> dict:
 
 
 def component(path: str, index: dict, name: str, dtype: torch.dtype | None = None,
-              device: torch.device = torch.device("cpu")):
+              *, device: torch.device = torch.device("cpu")):
     """The pipeline component `name` (None where the model has none, e.g. SD3 without T5); one with
     weights in `dtype`, on `device`."""
     library, cls = index.get(name) or (None, None)

@@ -85,7 +85,7 @@ def init_files(config, out_dir: str | Path, wanted: set[str]) -> dict[str, Path]
     if config.experts.generator.model.kind in ("tiny_dit", "tiny_video_dit"):  # a base holds tiny models only
         files = {name: base / f"{name}.safetensors" for name in ("generator", "text_encoder") if name in wanted}
     if files and not base.is_dir():
-        problems = [differences(out_dir, "base-", base_shaping(config), "the generator", {
+        problems = [differences(out_dir, "base-", base_shaping(config), "the generator", keys={
             "generator.": "experts.generator.model.", "text_encoder.": "experts.text_encoder.",
             "text_len": "experts.text_encoder.max_sequence_length",
             "details.": "the words (the refiners' largest max_new_tokens) of the pretraining captions' detail "
@@ -97,14 +97,15 @@ def init_files(config, out_dir: str | Path, wanted: set[str]) -> dict[str, Path]
         files[eid] = folder / "refiner.safetensors"
         if not folder.is_dir():
             problems.append(differences(out_dir, "refiner-", refiner_shaping(config, refiner), eid,
-                                        {"model.": f"experts.{eid}.model.", "max_new_tokens": f"experts.{eid}.max_new_tokens"}))
+                                        keys={"model.": f"experts.{eid}.model.",
+                                              "max_new_tokens": f"experts.{eid}.max_new_tokens"}))
     if problems:
         raise ValueError("; ".join(dict.fromkeys(problems)) + ". Make one with `jointrl pretrain` and these "
                          "settings, or start from random weights with experts.base=null")
     return files
 
 
-def differences(out_dir: str | Path, prefix: str, shaping: dict, what: str, keys: dict[str, str]) -> str:
+def differences(out_dir: str | Path, prefix: str, shaping: dict, what: str, *, keys: dict[str, str]) -> str:
     """Why `out_dir` holds nothing for `what`: the settings in which its nearest one differs, by
     their config keys (`keys`: the start of a setting's name -> the start of its key)."""
     manifests = sorted(Path(out_dir).glob(f"{prefix}*/manifest.json"))

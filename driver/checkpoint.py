@@ -59,7 +59,7 @@ def staging(run_dir: Path, step: int) -> Path:
 
 
 def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0,
-         in_flight: dict[int, dict[str, tuple]] | None = None, staged: bool = False) -> Path:
+         *, in_flight: dict[int, dict[str, tuple]] | None = None, staged: bool = False) -> Path:
     """Write checkpoint `step` (the driver resumes at this step) from each expert's snapshot and
     the rollouts in flight's older weights ({step: {expert: (version, weights)}}), into the
     temporary folder `staging` made if `staged`, else into a fresh one; prune to the last `keep`.
@@ -69,11 +69,12 @@ def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0
     with atomic_dir(final, staged) as tmp:
         files = {}
         for eid, snapshot in snapshots.items():
-            files.update(state_file.write(tmp, eid, *snapshot))
+            files.update(state_file.write(tmp, eid, snapshot.weights, snapshot.optimizer, info=snapshot.info))
         for older in in_flight.values():
             for eid, (version, weights) in older.items():
                 if f"{eid}.v{version}.safetensors" not in files:
-                    files.update(state_file.write(tmp, f"{eid}.v{version}", weights, None, ExpertInfo(version, -1)))
+                    info = ExpertInfo(version, -1)
+                    files.update(state_file.write(tmp, f"{eid}.v{version}", weights, None, info=info))
         (tmp / "manifest.json").write_text(json.dumps(
             {"step": step, "versions": {e: s.info.version for e, s in snapshots.items()},
              "in_flight": {str(s): {e: v for e, (v, _) in older.items()} for s, older in in_flight.items()},
@@ -85,7 +86,7 @@ def save(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0
 
 
 def save_fetched(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep: int = 0,
-                 in_flight: dict[int, dict[str, tuple]] | None = None, staged: bool = False) -> Path:
+                 *, in_flight: dict[int, dict[str, tuple]] | None = None, staged: bool = False) -> Path:
     """`save`, given its arrays as ObjectRefs: each expert's snapshot (a sharded expert's optimizer
     as its ranks' ShardFiles) and the in-flight weights, fetched here. The driver has this run on
     its node as a task of its own (the run directory is the one the user named), so it forwards
@@ -103,7 +104,7 @@ def save_fetched(run_dir: Path, step: int, snapshots: dict[str, Snapshot], keep:
         fetched[eid] = Snapshot(get(snapshot.weights), optimizer, get(snapshot.info))
     older = {s: {eid: (version, get(weights)) for eid, (version, weights) in entries.items()}
              for s, entries in (in_flight or {}).items()}
-    return save(run_dir, step, fetched, keep, older, staged)
+    return save(run_dir, step, fetched, keep, in_flight=older, staged=staged)
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:

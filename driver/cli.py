@@ -329,7 +329,7 @@ def run_sample(args) -> int:
         raise SettingError(f"-n {args.n}: draw at least one image")
     run = Path(args.run_dir)
     drawn = sample_run(run, run_config(run, "RUN_DIR", args.overrides, layer=args.config), args.prompt, args.n,
-                       args.seed, Path(args.out) if args.out else None)
+                       seed=args.seed, out=Path(args.out) if args.out else None)
     print(f"jointrl: {args.prompt!r} from {drawn['checkpoint']}")
     for i, refs in enumerate(drawn["refinements"]):
         print(f"  [{i}] " + ("; ".join(f"{e}: {words or '(nothing)'}" for e, words in refs.items()) or "not refined"))

@@ -52,7 +52,7 @@ def run_here(mode: str, fn, *args, **kwargs):
 class DriverActor:
     @reports_start
     def __init__(self, config, run_dir: str, resume: str | None = None, placement: Placement | None = None,
-                 expert_cls=ExpertActor):
+                 expert_cls=ExpertActor):  # positional: Ray passes Runtime.spawn's *args on
         """`resume`: a checkpoint folder; the run continues from its step with every expert's
         weights, optimizer state and version restored, exactly as if it had never stopped.
         `placement`: the bundles reserved for this run's actors (ray mode). `expert_cls`: the
@@ -66,7 +66,8 @@ class DriverActor:
         self.placement, self.faults = placement, FaultCounts()
         pool = ColocatedRollouts if config.cluster.layout == "colocated" else RolloutPool
         self.rollouts = pool(config, runtime, self.faults, self.samples)
-        self.experts = ExpertGroup(config, runtime, self.faults, self.rollouts.workers, states, expert_cls)
+        self.experts = ExpertGroup(config, runtime, self.faults, self.rollouts.workers, states=states,
+                                   expert_cls=expert_cls)
         if resume:
             self.rollouts.resubmit(checkpoint.load_in_flight(Path(resume)), self.start_step, self.experts)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", keep_before=self.start_step)
@@ -112,7 +113,7 @@ class DriverActor:
         n = self.config.logging.images_per_log
         self.trackers.samples(step, rollout.meta.images[:n], [s.prompt.text for s in rollout.samples[:n]],
                               rollout.meta.refinements[:n],
-                              [float(t) if v else None for t, v in zip(total[:n], valid[:n])])
+                              rewards=[float(t) if v else None for t, v in zip(total[:n], valid[:n])])
 
     def save_checkpoint(self, step: int) -> Path:
         """Every expert's snapshot, plus the older weights the rollouts in flight were made with,

@@ -27,11 +27,11 @@ def evaluate(config, pipeline: RolloutPipeline, out_dir: Path | None = None, pro
     refinements and total rewards under the images)."""
     def keep(prompts, result):
         if out_dir is not None:
-            write_samples(out_dir, config, prompts, result, config.reward.weights)
+            write_samples(out_dir, config, prompts, result, weights=config.reward.weights)
     return evaluate_sets(config, pipeline, progress, keep)
 
 
-def write_samples(out_dir: Path, config, prompts: list, result: dict, weights: dict) -> None:
+def write_samples(out_dir: Path, config, prompts: list, result: dict, *, weights: dict) -> None:
     """eval_samples.png: one row per tag (a short row padded grey); eval_sheet.png: the first
     sample of each tag, then the second …, with prompts, refinements and total rewards (clips:
     eval_samples.gif and eval_sheet.gif, animated)."""

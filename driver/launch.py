@@ -67,7 +67,7 @@ def planned_gpus(config) -> list[list[tuple[str, float]]] | None:
     return plan_for(config, cluster_target(config)).gpu_groups()
 
 
-def follow(driver, done, on_row=None, seen: int = 0, until=None, interval_s: float = 0.1) -> int:
+def follow(driver, done, on_row=None, seen: int = 0, *, until=None, interval_s: float = 0.1) -> int:
     """Hand each new metrics row of the running `driver` to `on_row`, until its run (the ObjectRef
     `done`) has ended or `until(rows seen)` holds; returns the rows seen. Raises RayGone once the
     private Ray under the run has lost a process (its calls would wait for it for a minute)."""

@@ -165,7 +165,8 @@ def measured_costs(config: Config) -> PhaseCosts:
             rows = [i for i, s in enumerate(samples) if s.refine]
             for e in pipeline.refiner_ids:
                 start = time.perf_counter()
-                made, tokens[e] = refine_samples(pipeline.models[e], e, t.seed, step, refined, pipeline.device)
+                made, tokens[e] = refine_samples(pipeline.models[e], e, t.seed, step, samples=refined,
+                                                 device=pipeline.device)
                 refine[e] = (time.perf_counter() - start) / max(len(refined), 1)
                 for i, refinement in zip(rows, made):
                     refinements[i][e] = refinement

@@ -39,8 +39,8 @@ def step_row(*, step: int, config, meta, total: np.ndarray, valid: np.ndarray, r
     `timings` the driver's phases (marked_timer)."""
     return {"step": step, "n_experts": len(versions), "credit": config.algorithm.credit,
             "rollouts": (step + 1) * config.trainer.prompts_per_step * config.algorithm.group_size,
-            **reward_metrics(meta.terms, total, valid, refined & valid, owns),
-            **group_metrics(total, meta.terms, valid, groups, meta.similarity),
+            **reward_metrics(meta.terms, total, valid, refined & valid, owns=owns),
+            **group_metrics(total, meta.terms, valid, groups, similarity=meta.similarity),
             **fault_metrics(meta.faults, actor_faults, meta.valid, valid),
             **{f"version/{e}": v for e, v in versions.items()}, "version/text_encoder": meta.versions[0]["text_encoder"],
             **update_metrics(stats),
@@ -59,7 +59,7 @@ def mean_where(values: np.ndarray, where: np.ndarray) -> float | None:
 
 
 def reward_metrics(terms: dict[str, np.ndarray], total: np.ndarray, valid: np.ndarray, refined: np.ndarray,
-                   owns: dict[str, list[str]]) -> dict:
+                   *, owns: dict[str, list[str]]) -> dict:
     """reward/total, reward/<term> and reward/<refiner id> (the terms it owns, where it refined)."""
     row = {"reward/total": mean_where(total, valid)}
     row.update({f"reward/{t}": mean_where(v, valid) for t, v in terms.items()})
@@ -69,7 +69,7 @@ def reward_metrics(terms: dict[str, np.ndarray], total: np.ndarray, valid: np.nd
 
 
 def group_metrics(total: np.ndarray, terms: dict[str, np.ndarray], valid: np.ndarray, groups: np.ndarray,
-                  similarity: SimilaritySums) -> dict:
+                  *, similarity: SimilaritySums) -> dict:
     """Over the prompt groups with a valid sample: groups/zero_std, the share whose total reward has
     no spread over their valid samples (population std, algorithm/credit.py's, at most ZERO_SPREAD:
     every advantage 0, nothing for the generator to learn from that group) and groups/reward_std,

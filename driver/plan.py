@@ -192,7 +192,7 @@ def guided(spec: GeneratorConfig) -> int:
     return 2 if getattr(spec.model, "guidance_scale", 1.0) > 1.0 else 1
 
 
-def training_state(trained: int, frozen: int, dtype: str, ranks: int, fsdp: bool, lora: bool) -> dict[str, int]:
+def training_state(trained: int, frozen: int, dtype: str, ranks: int, *, fsdp: bool, lora: bool) -> dict[str, int]:
     """Parameters, gradients, moments and frozen weights of one rank (see the module docstring):
     `frozen` is the reference copy of a full fine-tune, or the base under a LoRA adapter; a full
     fine-tune of a 16-bit model computes through 16-bit copies of its fp32 parameters (an adapter
@@ -227,7 +227,7 @@ def generator_expert(config: Config, eid: str, rank: int) -> ActorPlan:
     params, lora = arch.per_transformer["transformer_2" if part == "low" else "transformer"] if part \
         else (arch.transformer, arch.lora)
     trained, frozen = (lora, params) if m.lora else (params, params)
-    parts = training_state(trained, frozen, m.dtype, ranks, fsdp, bool(m.lora)) if spec.train \
+    parts = training_state(trained, frozen, m.dtype, ranks, fsdp=fsdp, lora=bool(m.lora)) if spec.train \
         else {f"frozen weights ({m.dtype})": width * params}
     if fsdp:
         gathered = params * width if par.defer_gradient_sync else 2 * arch.largest_block * width
@@ -238,7 +238,7 @@ def generator_expert(config: Config, eid: str, rank: int) -> ActorPlan:
     parts["activations (one micro-batch)"] = arch.train.update_peak(batch, ac, reference) if spec.train else 0
     parts["trajectories (one step)"] = samples * (trajectory_states(spec) * arch.latent_numel * 4
                                                   + spec.sample_steps * 4 + arch.text_features) + arch.text_features
-    advice = generator_advice(config, eid, arch, params, batch, ac)
+    advice = generator_advice(config, eid, arch, params, batch=batch, ac=ac)
     notes = [f"a pass through the transformer: {arch.image_tokens} image tokens (latent "
              f"{'x'.join(map(str, arch.latent_shape))}) + {arch.text_tokens} text tokens; {batch} passes per backward "
              f"pass ({spec.micro_batch or share} transition(s){', doubled by guidance' if batch > (spec.micro_batch or share) else ''}), "
@@ -248,7 +248,7 @@ def generator_expert(config: Config, eid: str, rank: int) -> ActorPlan:
                      {k: int(v) for k, v in parts.items()}, advice, notes)
 
 
-def generator_advice(config: Config, eid: str, arch, params: int, batch: int, ac: bool) -> list[str]:
+def generator_advice(config: Config, eid: str, arch, params: int, *, batch: int, ac: bool) -> list[str]:
     """What would make expert `eid` (of `params` trained or adapted parameters) fit."""
     spec, key = config.expert(eid), f"experts.{eid}"
     out = []
@@ -275,7 +275,7 @@ def tiny_generator_expert(config: Config, name: str, share: int) -> ActorPlan:
     tokens = depth * (side // m.patch) ** 2 + config.text_len()
     batch = spec.micro_batch or share
     latent = 3 * frames * side * side
-    parts = {**training_state(params, params, "float32", 1, False, False),
+    parts = {**training_state(params, params, "float32", 1, fsdp=False, lora=False),
              "activations (one micro-batch)": batch * tokens * m.d_model * m.n_layers * TINY_ACTIVATION,
              "trajectories (one step)": step_samples(config) * (trajectory_states(spec) * latent * 4
                                                                 + config.text_len() * config.experts.text_encoder.d_model * 4)}
@@ -294,13 +294,13 @@ def refiner_expert(config: Config, eid: str, rank: int) -> ActorPlan:
     if m.kind == "tiny_lm":
         from experts.kinds import build_model
         params = sum(p.numel() for p in build_model(config, eid, fresh=True).parameters())
-        parts = {**training_state(params, params, "float32", 1, False, False),
+        parts = {**training_state(params, params, "float32", 1, fsdp=False, lora=False),
                  "activations (one micro-batch)": batch * seq * m.d_model * m.n_layers * TINY_ACTIVATION}
         return ActorPlan(name, "update", wants_gpu(spec.resources), {"lm": params}, parts)
     arch = lm_architecture(m)
     width = DTYPE_BYTES[m.dtype]
     trained, frozen = (arch.lora, arch.params) if m.lora else (arch.params, arch.params)
-    parts = training_state(trained, frozen, m.dtype, ranks, fsdp, bool(m.lora)) if spec.train \
+    parts = training_state(trained, frozen, m.dtype, ranks, fsdp=fsdp, lora=bool(m.lora)) if spec.train \
         else {f"frozen weights ({m.dtype})": width * arch.params}
     ac = par.activation_checkpointing
     # fp32 logits at the generated tokens: the policy's, their log-softmax and its gradient; the reference's

@@ -30,7 +30,7 @@ def save(plt, fig, path: Path) -> Path:
     return path
 
 
-def curves(rows: list[dict], keys: list[str], title: str, ylabel: str, path: Path) -> Path | None:
+def curves(rows: list[dict], keys: list[str], title: str, ylabel: str, *, path: Path) -> Path | None:
     """One line per metric in `keys` against the step (steps without the metric are gaps);
     None, and nothing written, if no row has any of them."""
     keys = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]
@@ -48,7 +48,7 @@ def curves(rows: list[dict], keys: list[str], title: str, ylabel: str, path: Pat
     return save(plt, fig, path)
 
 
-def sample_sheet(images: np.ndarray, captions: list[str], title: str, path: Path, cols: int = 4,
+def sample_sheet(images: np.ndarray, captions: list[str], title: str, path: Path, *, cols: int = 4,
                  fps: float = FPS) -> Path:
     """Images (B, H, W, 3) uint8 in a grid, each with its caption (original and refined prompts)
     underneath, wrapped to the tile's width, written to `path`; clips (B, F, H, W, 3) as an animated

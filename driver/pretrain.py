@@ -43,7 +43,7 @@ def detail_words(rng: np.random.Generator, degraded: bool, max_words: int) -> li
 
 
 def segment_words(rng: np.random.Generator, prompt: Prompt, degraded: bool, max_words: int,
-                  restate_share: float) -> list[str]:
+                  *, restate_share: float) -> list[str]:
     """`detail_words`, first restating one of the prompt's colours or shapes `restate_share` of the
     time, as a rewriting LM restates the request before adding detail."""
     words = detail_words(rng, degraded, max_words)
@@ -53,12 +53,12 @@ def segment_words(rng: np.random.Generator, prompt: Prompt, degraded: bool, max_
     return words
 
 
-def details(rng: np.random.Generator, prompt: Prompt, degraded: bool, max_segments: int, max_words: int,
+def details(rng: np.random.Generator, prompt: Prompt, degraded: bool, max_segments: int, *, max_words: int,
             restate_share: float = 0.0) -> list[list[int]]:
     """Half the captions get 1 to `max_segments` segments of words after the prompt (each after a <sep>)."""
     if rng.random() < 0.5:
         return []
-    segments = [segment_words(rng, prompt, degraded, max_words, restate_share)
+    segments = [segment_words(rng, prompt, degraded, max_words, restate_share=restate_share)
                 for _ in range(rng.integers(1, max_segments + 1))]
     return [[WORD_TO_ID[w] for w in words] for words in segments]
 
@@ -97,8 +97,9 @@ def caption_batch(rng: np.random.Generator, n: int, size: int, *, degraded_share
         p = random_prompt(rng, rare_share) if frames is None else random_video_prompt(rng)
         degraded = bool(rng.random() < degraded_share)
         images.append(render(p, rng, size, degraded) if frames is None else
-                      render_clip(p, rng, frames, size, degraded))
-        extra = details(rng, p, degraded, max_segments, max_words, restate_share) if max_segments else []
+                      render_clip(p, rng, frames, size, degraded=degraded))
+        extra = details(rng, p, degraded, max_segments, max_words=max_words,
+                        restate_share=restate_share) if max_segments else []
         ids.append(list(composed_ids(p.ids, extra, max_len)))
     images = torch.from_numpy(np.stack(images).astype(np.float32) / 127.5 - 1.0)
     width = max(map(len, ids))
@@ -106,7 +107,7 @@ def caption_batch(rng: np.random.Generator, n: int, size: int, *, degraded_share
     return ids, images.permute(0, 3, 1, 2) if frames is None else images.permute(0, 4, 1, 2, 3)
 
 
-def flow_matching_loss(generator, encoder, ids, images, gen: torch.Generator):
+def flow_matching_loss(generator, encoder, ids, images, *, gen: torch.Generator):
     sigma = torch.sigmoid(torch.randn(len(images), generator=gen))
     eps = torch.randn(images.shape, generator=gen)
     s = sigma.view(-1, *[1] * (images.dim() - 1))
@@ -137,7 +138,7 @@ def pretrain(config, progress: bool = True) -> tuple[Path, bool]:
                               restate_share=pc.restate_share, max_len=config.experts.text_encoder.max_sequence_length,
                               frames=config.task.num_frames,
                               rare_share=pc.rare_caption_share if config.task.rare_wording else 0.0)
-        loss = flow_matching_loss(generator, encoder, *batch, gen)
+        loss = flow_matching_loss(generator, encoder, *batch, gen=gen)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -167,7 +168,8 @@ def refinement_batch(rng: np.random.Generator, n: int, *, degraded_share: float,
         if rewrite_share and rng.random() < rewrite_share:
             words = usual.text.split()[:max_new_tokens - 1]
         else:
-            words = segment_words(rng, p, bool(rng.random() < degraded_share), max_new_tokens - 1, restate_share)
+            words = segment_words(rng, p, bool(rng.random() < degraded_share), max_new_tokens - 1,
+                                  restate_share=restate_share)
         prompts.append(list(p.ids))
         tokens.append([*(WORD_TO_ID[w] for w in words), EOS] + [PAD] * (max_new_tokens - 1 - len(words)))
     return prompts, torch.tensor(tokens)

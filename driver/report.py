@@ -75,14 +75,15 @@ def report(run_dir: Path, config) -> tuple[list[Path], str | None]:
     plots = [
         curves(rows, ["reward/total", *[k for k in keys(rows, "reward/", ("reward/total",))
                                         if k.split("/")[1] not in refiners]],
-               "reward: total and every term", "mean reward", out / "rewards.png"),
+               "reward: total and every term", "mean reward", path=out / "rewards.png"),
         curves(rows, [f"reward/{e}" for e in refiners], "each refiner's own reward (the terms it owns)",
-               "mean reward", out / "experts.png"),
-        curves(rows, keys(rows, "version/"), "versions", "version", out / "versions.png"),
+               "mean reward", path=out / "experts.png"),
+        curves(rows, keys(rows, "version/"), "versions", "version", path=out / "versions.png"),
         curves(rows, ["time/step_s", "time/rollout_s", "time/update_s", "time/sync_s", "time/idle_s"],
-               "time per step", "seconds", out / "timing.png"),
-        curves(rows, keys(rows, "staleness/"), "staleness: versions behind, per expert", "versions", out / "staleness.png"),
-        curves(rows, keys(rows, "loss/"), "losses", "loss", out / "losses.png"),
+               "time per step", "seconds", path=out / "timing.png"),
+        curves(rows, keys(rows, "staleness/"), "staleness: versions behind, per expert", "versions",
+               path=out / "staleness.png"),
+        curves(rows, keys(rows, "loss/"), "losses", "loss", path=out / "losses.png"),
     ]
     written, missing = [p for p in plots if p is not None], None
     try:

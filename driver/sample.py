@@ -43,7 +43,7 @@ def user_prompt(text: str, config) -> TextPrompt:
     return TextPrompt(" ".join(words))
 
 
-def sample_run(run_dir: Path, config, text: str, n: int = 4, seed: int = 0, out: Path | None = None) -> dict:
+def sample_run(run_dir: Path, config, text: str, n: int = 4, *, seed: int = 0, out: Path | None = None) -> dict:
     """`n` images (clips) of `text` from the latest checkpoint of `run_dir`, written as one PNG grid
     (an animated one, `out` with suffix .gif, and .mp4); returns {"files" (the grid first), "checkpoint",
     "refinements" (one dict per image, refiner id -> words)}."""

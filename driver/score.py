@@ -127,7 +127,7 @@ def checked_inputs(config: Config, prompts_file: str, folder: Path) -> tuple[lis
     return prompts, files, sizes
 
 
-def score_folder(config: Config, name: str, term, prompts_file: str, folder: Path, device,
+def score_folder(config: Config, name: str, term, prompts_file: str, *, folder: Path, device,
                  progress=lambda n: None) -> Scored:
     """Score every image of `folder` against its prompt with the term `name` (see the module docstring)."""
     from common.loading import ModelLoadError
@@ -197,7 +197,8 @@ def run_score(args) -> int:
     folder = Path(args.images)
     with tqdm(desc="jointrl score", unit="image", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         try:
-            scored = score_folder(config, args.term, term, args.prompts, folder, device, bar.update)
+            scored = score_folder(config, args.term, term, args.prompts, folder=folder, device=device,
+                                  progress=bar.update)
         except (SettingError, KeyboardInterrupt):
             raise
         except Exception as e:  # the term's own failure (a model error, out of memory): one line, not a trace

@@ -48,7 +48,7 @@ class Trackers:
             self.wandb.log(values, step=row["step"])
 
     def samples(self, step: int, images: np.ndarray, prompts: list[str], refinements: list[dict[str, str]],
-                rewards: list[float | None]) -> Path:
+                *, rewards: list[float | None]) -> Path:
         """Images (B, H, W, 3) or clips (B, F, H, W, 3) uint8 with what made them: a sheet (PNG, or
         animated) and its JSON, and the trackers; returns the sheet."""
         folder = self.run_dir / "samples"

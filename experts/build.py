@@ -57,7 +57,7 @@ class ExpertKind:
         with loading_model(f"experts.{self.expert_id}.model.path", path):
             return self.fresh_model(device)
 
-    def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
+    def backward(self, model, reference, batch: dict, adv: torch.Tensor, *, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None, pad_to: int | None = None) -> tuple[float, dict]:
         """Accumulate the loss's gradient into the trainable parameters; (its value, its stats).
         `rows`: only these samples' part of it, divided by the whole batch's count (one rank's

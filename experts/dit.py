@@ -26,7 +26,7 @@ def timestep_embedding(sigma: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class TinyDiT(nn.Module):
-    def __init__(self, image_size: int, channels: int, patch: int, d_model: int, n_layers: int,
+    def __init__(self, image_size: int, channels: int, patch: int, d_model: int, *, n_layers: int,
                  n_heads: int, d_text: int, frames: int | None = None, frame_patch: int = 1):
         """`frames`: None for images; k for clips of k frames, patched `frame_patch` frames deep
         (k must be a multiple)."""

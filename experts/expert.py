@@ -163,9 +163,10 @@ class Expert:
         its update reads). From `version` only, as `update`."""
         self.holds(version)
         with self.rolling_out():
-            return refine_samples(self.model, self.expert_id, self.config.trainer.seed, step, samples, self.device)
+            return refine_samples(self.model, self.expert_id, self.config.trainer.seed, step, samples=samples,
+                                  device=self.device)
 
-    def roll_out(self, step: int, version: int, samples: list, refinements: list[dict], versions: dict[str, int],
+    def roll_out(self, step: int, version: int, samples: list, refinements: list[dict], *, versions: dict[str, int],
                  scorers: dict | None = None) -> RolloutOutputs:
         """The generator's share of a step's rollout with the weights it trains (`cluster.layout=
         colocated`): the rollout pipeline (experts/pipeline.py) around this expert's own model, the
@@ -228,10 +229,11 @@ class Expert:
         if self.sharded and self.spec.parallel.defer_gradient_sync:
             with parallel.gathered_through_update(self.model, self.reference,
                                                   self.spec.parallel.reshard_after_forward) as before_last:
-                loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows, before_last, pad_to)
+                loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows=rows,
+                                                 before_last=before_last, pad_to=pad_to)
         else:
             with precision.computed_in(self.model, {} if self.sharded else self.computed):
-                loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows, pad_to=pad_to)
+                loss, stats = self.kind.backward(self.model, self.reference, batch, adv, rows=rows, pad_to=pad_to)
         if self.gang:
             loss, stats = parallel.sum_stats(loss, stats, self.device)
             if self.gang.strategy == "ddp":

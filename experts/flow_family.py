@@ -52,7 +52,7 @@ class FamilyVelocity(nn.Module):
     def trained_component(self, name: str, seed: int, device: torch.device) -> nn.Module:
         """The pipeline's transformer `name` in the model's dtype, with the LoRA adapter where one is set."""
         m = self.spec
-        transformer = component(self.path, self.index, name, DTYPES[m.dtype], device)
+        transformer = component(self.path, self.index, name, DTYPES[m.dtype], device=device)
         if m.lora:
             from peft import LoraConfig
             torch.manual_seed(seed)  # the adapter's initialisation, identical wherever it is built
@@ -120,7 +120,7 @@ class FamilyFrontEnd:
         self.path = local_model(m.path, m.revision)
         self.index = load_index(self.path)
         self.parts = {name: component(self.path, self.index, name,
-                                      torch.float32 if name in self.FLOAT32 else DTYPES[m.dtype], device)
+                                      torch.float32 if name in self.FLOAT32 else DTYPES[m.dtype], device=device)
                       for name in self.COMPONENTS}
         for name in self.ENCODERS:
             if self.parts.get(name) is not None:

@@ -23,7 +23,8 @@ def build_text_encoder(config, fresh: bool = False) -> TextEncoder:
     given, unless `fresh`."""
     te, words = config.experts.text_encoder, len(text_vocabulary(config.task))
     return seeded_model(config, "text_encoder", lambda: TextEncoder(words, te.d_model, te.n_layers, te.n_heads,
-                                                                    te.max_sequence_length), None if fresh else te.init)
+                                                                    max_len=te.max_sequence_length),
+                        None if fresh else te.init)
 
 
 class ShapesFrontEnd:

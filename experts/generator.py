@@ -158,8 +158,8 @@ class GeneratorKind(ExpertKind):
                 self.spec, seed, device, **({"part": self.part} if self.part else {}))
         from experts.dit import TinyDiT
         video = {"frames": self.config.task.num_frames, "frame_patch": m.frame_patch} if m.kind == "tiny_video_dit" else {}
-        return TinyDiT(self.config.task.image_size, 3, m.patch, m.d_model, m.n_layers, m.n_heads,
-                       self.config.experts.text_encoder.d_model, **video)
+        return TinyDiT(self.config.task.image_size, 3, m.patch, m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                       d_text=self.config.experts.text_encoder.d_model, **video)
 
     def update_inputs(self, advantages, refined, outputs: list) -> tuple:
         """(its advantage of every sample, then the trajectories of every rollout shard)."""
@@ -186,7 +186,7 @@ class GeneratorKind(ExpertKind):
                           "shared_cond": device_tensors(first.shared_cond, first.dtypes) if self.spec.train_cfg else {},
                           "sigmas": sigmas, "sde": sde}, device)
 
-    def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
+    def backward(self, model, reference, batch: dict, adv: torch.Tensor, *, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None, pad_to: int | None = None):
         s = self.spec
         return generator_backward(model, reference, batch, adv, obj=GeneratorObjective(

@@ -14,7 +14,7 @@ def expert_kind(config, expert_id: str) -> ExpertKind:
 
 
 def build_model(config, expert_id: str, fresh: bool = False, device: torch.device = torch.device("cpu"),
-                serving: bool = False) -> torch.nn.Module:
+                *, serving: bool = False) -> torch.nn.Module:
     """Expert `expert_id`'s model at version 0: seeded, then from its `init` file unless `fresh`; a
     pretrained model is loaded straight onto `device` (a tiny one is built on the host). `serving`:
     a rollout worker's copy, which a refiner with `engine: vllm` is its vLLM engine."""

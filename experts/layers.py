@@ -48,7 +48,7 @@ class Trunk(nn.Module):
     `tok.*`, `pos.*`, `blocks.*`, `norm.*`, and their parameters are created in this order.
     """
 
-    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_len: int):
+    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *, max_len: int):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(max_len, d_model)

@@ -360,7 +360,7 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=32)
-def _generator(path: str, revision: str | None, model_json: str, image_size: int, image_width: int | None,
+def _generator(path: str, revision: str | None, model_json: str, image_size: int, *, image_width: int | None,
                num_frames: int | None) -> GeneratorArchitecture:
     from experts.families import FAMILIES
     folder = config_folder(path, revision)
@@ -441,7 +441,8 @@ def generator_architecture(model, image_size: int, image_width: int | None = Non
                            num_frames: int | None = None) -> GeneratorArchitecture:
     """`model` (a DiffusersFlowConfig section) measured at images `image_size` on a side (`image_size`
     high and `image_width` wide where set), or at clips of `num_frames` such frames."""
-    return _generator(model.path, model.revision, model.model_dump_json(), image_size, image_width, num_frames)
+    return _generator(model.path, model.revision, model.model_dump_json(), image_size, image_width=image_width,
+                      num_frames=num_frames)
 
 
 # --- causal LMs (refiners) ----------------------------------------------------------------------------

@@ -64,10 +64,12 @@ class Gang:
 
 def join(spec: GangSpec, rank: int) -> None:
     """Make this process rank `rank` of the spec's process group, leaving any older one first."""
-    join_group(spec.host, spec.port, f"gang-{spec.generation}", rank, spec.ranks, spec.backend, spec.timeout_s)
+    join_group(spec.host, spec.port, f"gang-{spec.generation}", rank, world_size=spec.ranks, backend=spec.backend,
+               timeout_s=spec.timeout_s)
 
 
-def join_group(host: str, port: int, prefix: str, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+def join_group(host: str, port: int, prefix: str, rank: int, *, world_size: int, backend: str,
+               timeout_s: float) -> None:
     """This process as rank `rank` of the default process group whose rendezvous is the TCPStore at
     host:port, under `prefix` (one per generation of a group); an older group is left first."""
     if dist.is_initialized():

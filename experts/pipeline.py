@@ -125,7 +125,7 @@ def joined_results(parts: list[dict]) -> dict:
     return {k: join([p[k] for p in parts]) for k in parts[0]}
 
 
-def refine_samples(model, expert_id: str, seed: int, step, samples: list,
+def refine_samples(model, expert_id: str, seed: int, step, *, samples: list,
                    device: torch.device) -> tuple[list, dict]:
     """One refiner's refinement of every sample in `samples`, from its own seeded draws: (per sample
     its Refinement, its token batch for the update). Rollout workers call it for each refiner; under
@@ -205,7 +205,8 @@ class RolloutPipeline:
                        busy_s=time.perf_counter() - start)
         cond = self.models["generator"].merge_conditions([p.cond for p in parts])
         shard = trajectories(torch.cat([p.states for p in parts]), self.state_steps,
-                             torch.cat([p.logps for p in parts]), cond, parts[0].shared, self.sigmas, self.sde)
+                             torch.cat([p.logps for p in parts]), cond, shared_cond=parts[0].shared,
+                             sigmas=self.sigmas, sde=self.sde)
         tokens = {eid: joined_tokens([p.tokens[eid] for p in parts]) for eid in parts[0].tokens}
         return RolloutOutputs(meta, shard, tokens)
 
@@ -225,7 +226,7 @@ class RolloutPipeline:
         del states, cond, decoded
         faults = RewardFaults()
         terms, valid = self.reward(images, samples, refinements, faults)
-        counterfactual = self.counterfactual(step, samples, refinements, noise, faults)
+        counterfactual = self.counterfactual(step, samples, refinements, noise, faults=faults)
         shown = to_uint8(images[[s.sample < self.config.logging.images_per_log for s in samples]]) \
             if self.shows_images(step) else None
         meta = RolloutMeta([s.sample for s in samples], terms, valid, [self.version_vector()] * len(samples),
@@ -272,7 +273,7 @@ class RolloutPipeline:
         velocity = self.velocity
         window = self.sde if sde else torch.zeros_like(self.sde)
         return sample(lambda x, sigma: velocity(x, sigma, **cond), noise.to(self.device), self.sigmas,
-                      self.config.experts.generator.noise_level, window)
+                      self.config.experts.generator.noise_level, sde=window)
 
     def refine(self, step, samples: list):
         """Every refiner's refinement of the samples marked `refine`, each from its own seeded
@@ -282,7 +283,7 @@ class RolloutPipeline:
         tokens = {}
         for eid in [e for e in self.refiner_ids if e in self.models]:
             made, tokens[eid] = refine_samples(self.models[eid], eid, self.config.trainer.seed, step,
-                                               [samples[i] for i in refined], self.device)
+                                               samples=[samples[i] for i in refined], device=self.device)
             for i, refinement in zip(refined, made):
                 refinements[i][eid] = refinement
         return refinements, tokens
@@ -306,7 +307,7 @@ class RolloutPipeline:
         return terms, valid
 
     def counterfactual(self, step, samples, refinements, noise,
-                       faults: RewardFaults) -> dict[str, dict[str, np.ndarray]]:
+                       *, faults: RewardFaults) -> dict[str, dict[str, np.ndarray]]:
         """Per refiner k, the reward terms of R(without y_k): the same sample regenerated from the
         same noise with y_k dropped (NaN where not drawn; `counterfactual_fraction` bounds the cost),
         reward faults counted into `faults`. Only under counterfactual credit (algorithm/credit.py)."""

@@ -122,8 +122,9 @@ class RefinerKind(ExpertKind):
         from experts.refiner_lm import TinyCausalLM
         from tasks import refiner_vocabulary
         from tasks.shapes import MAX_PROMPT_WORDS
-        return TinyCausalLM(refiner_vocabulary(self.config.task), m.d_model, m.n_layers, m.n_heads, MAX_PROMPT_WORDS + 2 + spec.max_new_tokens,
-                            spec.max_new_tokens, spec.temperature)
+        return TinyCausalLM(refiner_vocabulary(self.config.task), m.d_model, m.n_layers, m.n_heads,
+                            max_len=MAX_PROMPT_WORDS + 2 + spec.max_new_tokens,
+                            max_new_tokens=spec.max_new_tokens, temperature=spec.temperature)
 
     def build_engine(self, fresh: bool = False) -> torch.nn.Module:
         """The refiner as a rollout worker serves it under `engine: vllm` (experts/vllm_refiner.py), at
@@ -147,7 +148,7 @@ class RefinerKind(ExpertKind):
                           **{k: torch.cat([torch.tensor(s[k]) for s in parts]) for k in ("tokens", "logps", "mask")}},
                          device)
 
-    def backward(self, model, reference, batch: dict, adv: torch.Tensor, rows: torch.Tensor | None = None,
+    def backward(self, model, reference, batch: dict, adv: torch.Tensor, *, rows: torch.Tensor | None = None,
                  before_last: Callable[[], None] | None = None, pad_to: int | None = None):
         s = self.spec
         return refiner_backward(model, reference, batch, adv, clip_eps=s.clip_eps, kl_beta=s.kl_beta,

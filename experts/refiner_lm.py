@@ -24,9 +24,9 @@ def left_pad(seqs: list[list[int]]) -> torch.Tensor:
 class TinyCausalLM(Trunk):
     """A word-level causal LM over `vocab` (its words in id order; the special tokens first)."""
 
-    def __init__(self, vocab: list[str], d_model: int, n_layers: int, n_heads: int, max_len: int,
+    def __init__(self, vocab: list[str], d_model: int, n_layers: int, n_heads: int, *, max_len: int,
                  max_new_tokens: int, temperature: float):
-        super().__init__(len(vocab), d_model, n_layers, n_heads, max_len)
+        super().__init__(len(vocab), d_model, n_layers, n_heads, max_len=max_len)
         self.vocab, self.word_ids = vocab, {w: i for i, w in enumerate(vocab)}
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.head = nn.Linear(d_model, len(vocab))

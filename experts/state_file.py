@@ -45,7 +45,7 @@ NUMPY_DTYPES = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dty
 
 
 def write(folder: Path, expert_id: str, weights: dict, optimizer: dict | ShardFiles | None = None,
-          info: ExpertInfo | None = None) -> dict[str, str]:
+          *, info: ExpertInfo | None = None) -> dict[str, str]:
     """An expert's snapshot (`Expert.snapshot`): weights {name: array}, an optimizer state_dict (its
     tensors as they are, or as `optimizer_arrays` made them travel; or a sharded expert's ShardFiles)
     or None, and its ExpertInfo (a pretrained base has none). Returns {file, relative to `folder`:

@@ -35,7 +35,7 @@ def word_tokenizer(extra: list[str], max_length: int | None = None):
                                    model_max_length=max_length or 512)
 
 
-def tiny_causal_lm(out: Path, seed: int = 0, text: str = "shapes", arch: str = "qwen2", head_dim: int = 8) -> Path:
+def tiny_causal_lm(out: Path, seed: int = 0, text: str = "shapes", arch: str = "qwen2", *, head_dim: int = 8) -> Path:
     """`text`: "shapes" tokenizes the shapes words, "bytes" any text (common/hub.py's `tiny:` models).
     `arch`: qwen2 or qwen3, with 4 query heads of `head_dim` (2 key-value heads): 8 by default, 32
     or more for vLLM's CPU attention, which refuses smaller heads (`tiny_engine_lm`)."""
@@ -60,7 +60,7 @@ def tiny_engine_lm(out: Path, seed: int = 0, arch: str = "qwen2") -> Path:
     return tiny_causal_lm(out, seed, arch=arch, head_dim=32)
 
 
-def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16, text: str = "shapes", num_layers: int = 2,
+def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16, text: str = "shapes", *, num_layers: int = 2,
              num_heads: int = 4, head_dim: int = 8) -> Path:
     """An SD3-style pipeline (no T5) whose VAE halves the resolution: latents of side `sample_size`
     decode to images of twice that side; the transformer `num_layers` deep, `num_heads * head_dim`

@@ -56,7 +56,7 @@ def device_tensors(arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> dic
     return {k: v.view(torch.bfloat16) if dtypes[k] == "bfloat16" else v for k, v in tensors.items()}
 
 
-def trajectories(states: torch.Tensor, state_steps: torch.Tensor, logps: torch.Tensor, cond: dict, shared_cond: dict,
+def trajectories(states: torch.Tensor, state_steps: torch.Tensor, logps: torch.Tensor, cond: dict, *, shared_cond: dict,
                  sigmas: torch.Tensor, sde: torch.Tensor) -> Trajectories:
     """The travelling form of a shard's trajectories, from tensors on any device."""
     cond_arrays, cond_dtypes = host_arrays(cond)

@@ -178,7 +178,7 @@ class Velocity(FamilyVelocity):
         """The velocity of every row by the transformer of its noise level among `transformers`
         ({"high", "low": transformer}), each with its guidance scale."""
         if self.boundary is None:
-            return self.guided(transformers["high"], self.spec.guidance_scale, x, sigma, cond)
+            return self.guided(transformers["high"], self.spec.guidance_scale, x, sigma, cond=cond)
         high = self.at_high_noise(sigma)
         out = torch.empty_like(x, dtype=torch.float32)
         low_scale = self.spec.guidance_scale_2 if self.spec.guidance_scale_2 is not None else self.spec.guidance_scale
@@ -189,10 +189,10 @@ class Velocity(FamilyVelocity):
                 raise ValueError(f"a {side}-noise step (sigma {float(sigma[rows][0]):.4f}) for a velocity that "
                                  f"holds only the {', '.join(transformers)}-noise transformer")
             out[rows] = self.guided(transformers[side], scale, x[rows], sigma[rows],
-                                    {k: v if k.startswith(NEGATIVE) else v[rows] for k, v in cond.items()})
+                                    cond={k: v if k.startswith(NEGATIVE) else v[rows] for k, v in cond.items()})
         return out
 
-    def guided(self, transformer, scale: float, x, sigma, cond) -> torch.Tensor:
+    def guided(self, transformer, scale: float, x, sigma, *, cond) -> torch.Tensor:
         """One transformer's velocity, guided with `scale` against the empty prompt's conditioning (one
         row, shared by the batch) where `cond` holds it, both branches in one batch."""
         positive, negative = split_negative(cond)

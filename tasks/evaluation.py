@@ -26,7 +26,7 @@ def eval_prompts(config, pipeline) -> dict[str, list]:
     return {name: prompts[:limit] for name, prompts in pipeline.task.eval_sets().items()}
 
 
-def scored(pipeline, prompts: list, refine: bool, batch: int, progress=None) -> dict:
+def scored(pipeline, prompts: list, refine: bool, batch: int, *, progress=None) -> dict:
     """Every term (and strict measure) of one sample per prompt, drawn in parts of `batch`:
     {"terms", "strict", "valid", "images", "refinements"}."""
     parts = []
@@ -66,7 +66,7 @@ def evaluate_sets(config, pipeline, progress=None, keep=None) -> dict:
     for n, (name, prompts) in enumerate(eval_prompts(config, pipeline).items()):
         report[name] = {}
         for m, mode in enumerate(modes(config)):
-            result = scored(pipeline, prompts, mode == "refined", config.evaluation.batch_size, progress)
+            result = scored(pipeline, prompts, mode == "refined", config.evaluation.batch_size, progress=progress)
             report[name][mode] = measures(result, prompts)
             if keep and n == 0 and m == 0:
                 keep(prompts, result)

@@ -178,10 +178,10 @@ def clause_key(prompt: Prompt) -> tuple:
 def eval_set(per_category: int, seed: int, exclude: list[Prompt] = ()) -> list[Prompt]:
     """A fixed held-out set in full wording, `per_category` prompts per category, none whose clauses
     appear in `exclude` (the training prompts); a small category may repeat a clause set."""
-    return held_out_set(CATEGORIES, make_prompt, clause_key, per_category, seed, exclude)
+    return held_out_set(CATEGORIES, make_prompt, clause_key, per_category, seed=seed, exclude=exclude)
 
 
-def held_out_set(categories, make, key, per_category: int, seed: int, exclude=()) -> list:
+def held_out_set(categories, make, key, per_category: int, *, seed: int, exclude=()) -> list:
     """`per_category` prompts drawn by `make(category, rng)` for each category, none whose `key`
     is a training prompt's (`exclude`): the held-out draw of both shapes worlds."""
     rng = np.random.default_rng(seed)
@@ -201,7 +201,7 @@ def held_out_set(categories, make, key, per_category: int, seed: int, exclude=()
 
 # --- rendering ---------------------------------------------------------------------------------- #
 
-def _mask(shape: str, cx: float, cy: float, r: float, size: int) -> np.ndarray:
+def _mask(shape: str, cx: float, cy: float, r: float, *, size: int) -> np.ndarray:
     yy, xx = np.mgrid[0:size, 0:size] + 0.5
     if shape == "circle":
         return (xx - cx) ** 2 + (yy - cy) ** 2 <= r * r
@@ -220,7 +220,7 @@ def render(prompt: Prompt, rng: np.random.Generator, size: int = 32, degraded: b
     slots = _slots(prompt, size, rng)
     for obj, centres in zip(prompt.objects, slots):
         for cx, cy in centres:
-            img[_mask(obj.shape, cx, cy, r, size)] = PALETTE[obj.colour]
+            img[_mask(obj.shape, cx, cy, r, size=size)] = PALETTE[obj.colour]
     if degraded:
         img = (img * DIM).astype(np.uint8)
     return img

@@ -110,7 +110,7 @@ def video_clause_key(prompt: VideoPrompt) -> tuple:
 def video_eval_set(per_category: int, seed: int, exclude: list[VideoPrompt] = ()) -> list[VideoPrompt]:
     """A fixed held-out set in full wording, `per_category` prompts per category, none asking what a
     prompt of `exclude` (the training prompts) asks; a small category may repeat a prompt."""
-    return held_out_set(VIDEO_CATEGORIES, make_video_prompt, video_clause_key, per_category, seed, exclude)
+    return held_out_set(VIDEO_CATEGORIES, make_video_prompt, video_clause_key, per_category, seed=seed, exclude=exclude)
 
 
 # --- rendering ---------------------------------------------------------------------------------- #
@@ -158,14 +158,14 @@ def tracks(prompt: VideoPrompt, size: int, rng: np.random.Generator) -> list[Tra
 
 
 def render_clip(prompt: VideoPrompt, rng: np.random.Generator, frames: int, size: int = 32,
-                degraded: bool = False) -> np.ndarray:
+                *, degraded: bool = False) -> np.ndarray:
     """A ground-truth clip for `prompt`: uint8 (F, H, W, 3) on black. `degraded`: colours too dim
     for the detector (the low-quality share of the data, as the image world's)."""
     clip = np.zeros((frames, size, size, 3), np.uint8)
     for obj in tracks(prompt, size, rng):
         for f in range(frames):
             cx, cy, r = obj.at(f / (frames - 1))
-            clip[f][_mask(obj.shape, cx, cy, r, size)] = PALETTE[obj.colour]
+            clip[f][_mask(obj.shape, cx, cy, r, size=size)] = PALETTE[obj.colour]
     return (clip * DIM).astype(np.uint8) if degraded else clip
 
 

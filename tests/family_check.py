@@ -48,7 +48,7 @@ def jointrl_ode(velocity, frontend, prompts: list[str], latents: torch.Tensor, s
     cond = frontend.condition([TextPrompt(p) for p in prompts], [{} for _ in prompts])
     noise = latents[:, None].expand(-1, steps + 1, *latents.shape[1:])
     states, _ = sample(lambda x, s: velocity(x, s, **cond), noise, frontend.sigmas(steps), 0.7,
-                       torch.zeros(steps, dtype=torch.bool))
+                       sde=torch.zeros(steps, dtype=torch.bool))
     return states[:, -1], frontend.decode(states[:, -1])
 
 
@@ -162,11 +162,12 @@ def assert_logps_are_normal(velocity, frontend, prompts: list[str], steps: int, 
     noise = torch.randn((len(prompts), steps + 1, *frontend.latent_shape), generator=torch.Generator().manual_seed(1))
     sigmas = frontend.sigmas(steps)
     states, logps = sample(lambda x, s: velocity(x, s, **cond), noise, sigmas, noise_level,
-                           torch.ones(steps, dtype=torch.bool))
+                           sde=torch.ones(steps, dtype=torch.bool))
     for t in range(steps):
         x = states[:, t]
         v = velocity(x, sigmas[t].expand(len(prompts)), **cond)
-        mean, std = sde_mean_std(x, v, _bcast(sigmas[t], x), _bcast(sigmas[t + 1], x), noise_level, float(sigmas[1]))
+        mean, std = sde_mean_std(x, v, _bcast(sigmas[t], x), _bcast(sigmas[t + 1], x), noise_level=noise_level,
+                                 sigma_max=float(sigmas[1]))
         expected = torch.distributions.Normal(mean, std.expand_as(mean)).log_prob(states[:, t + 1]).flatten(1).mean(1)
         assert torch.allclose(logps[:, t], expected, atol=tol, rtol=tol), (t, logps[:, t], expected)
 

@@ -66,9 +66,10 @@ def rollout(case: str, expert: Expert) -> dict:
         cond = frontend.condition([TextPrompt(p.text) for p in prompt_set(N, seed=3)], [{} for _ in range(N)])
         sigmas, sde = frontend.sigmas(2), sde_steps(2, None)
         noise = torch.randn((N, 3, *frontend.latent_shape), generator=torch.Generator().manual_seed(1))
-        states, logps = sample(lambda x, s: worker(x, s, **cond), noise, sigmas, 0.7, sde)
+        states, logps = sample(lambda x, s: worker(x, s, **cond), noise, sigmas, 0.7, sde=sde)
     kept = kept_states(trained_steps(sde, True))
-    return trajectories(states[:, kept], kept, logps, *split_shared(cond), sigmas, sde)
+    per_sample, shared = split_shared(cond)
+    return trajectories(states[:, kept], kept, logps, per_sample, shared_cond=shared, sigmas=sigmas, sde=sde)
 
 
 def as_bf16_start(expert: Expert) -> Expert:

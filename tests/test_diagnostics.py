@@ -37,7 +37,7 @@ def test_a_group_with_equal_totals_has_zero_spread_and_the_std_is_credits_popula
     total = np.array([0.5, 0.5, 0.5, 0.0, 1.0, 2.0, 0.3, 0.3 + 1e-9, 0.7, 0.7, 5.0, 1.0, 2.0])
     valid = np.array([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0], dtype=bool)  # group 4 has no valid sample
     image = np.array([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0])
-    row = group_metrics(total, {"image": image}, valid, groups, NO_IMAGES)
+    row = group_metrics(total, {"image": image}, valid, groups, similarity=NO_IMAGES)
     # groups 0 (equal), 2 (within the 1e-8 tolerance) and 3 (equal over its valid samples) of 0-3
     assert row["groups/zero_std"] == 0.75
     assert row["groups/zero_std/image"] == 0.75  # groups 0, 1 and 3: each term alone
@@ -46,7 +46,7 @@ def test_a_group_with_equal_totals_has_zero_spread_and_the_std_is_credits_popula
     adv = group_normalise(total, groups, valid, clip=10.0)
     assert 1.0 / adv[5] - 1e-4 == pytest.approx(math.sqrt(2 / 3), rel=1e-9)
     assert row["groups/similarity"] is None
-    assert group_metrics(total, {"image": image}, np.zeros_like(valid), groups, NO_IMAGES) == \
+    assert group_metrics(total, {"image": image}, np.zeros_like(valid), groups, similarity=NO_IMAGES) == \
         {"groups/zero_std": None, "groups/reward_std": None, "groups/zero_std/image": None, "groups/similarity": None}
 
 

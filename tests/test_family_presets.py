@@ -103,7 +103,7 @@ def test_the_sd3_presets_kl_term_is_flow_grpos_on_the_same_tensors():
     sigmas = frontend.sigmas(steps)
     noise = torch.randn((len(PROMPTS), steps + 1, *frontend.latent_shape), generator=torch.Generator().manual_seed(2))
     states, logps = sample(lambda x, s: velocity(x, s, **cond), noise, sigmas, preset.noise_level,
-                           torch.ones(steps, dtype=torch.bool))
+                           sde=torch.ones(steps, dtype=torch.bool))
     per_sample, shared = split_shared(cond)
     batch = {"states": states, "state_steps": torch.arange(steps + 1), "logps": logps, "sigmas": sigmas,
              "sde": torch.ones(steps, dtype=torch.bool), "cond": per_sample, "shared_cond": shared}

@@ -48,8 +48,8 @@ def test_train_cfg_false_updates_the_conditional_velocity_alone():
     assert any(k.startswith("negative_") for k in cond)
     positive, negative = split_shared(cond)
     shard = trajectories(torch.zeros(3, STEPS + 1, *frontend.latent_shape), torch.arange(STEPS + 1),
-                         torch.zeros(3, STEPS), positive, negative, frontend.sigmas(STEPS),
-                         torch.ones(STEPS, dtype=torch.bool))
+                         torch.zeros(3, STEPS), positive, shared_cond=negative, sigmas=frontend.sigmas(STEPS),
+                         sde=torch.ones(STEPS, dtype=torch.bool))
     merged = expert_kind(config, "generator").merge(velocity, [shard], torch.device("cpu"))
     assert set(merged["cond"]) == set(positive) and merged["shared_cond"] == {}
     x, sigma = torch.randn(3, *frontend.latent_shape), torch.full((3,), 0.5)

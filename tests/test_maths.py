@@ -20,7 +20,7 @@ def test_sde_logprob_equals_torch_normal():
     g = torch.Generator().manual_seed(0)
     x, v = torch.randn(3, 3, 8, 8, generator=g), torch.randn(3, 3, 8, 8, generator=g)
     sigma, sigma_next = torch.tensor(0.6).view(1, 1, 1, 1), torch.tensor(0.45).view(1, 1, 1, 1)
-    mean, std = sde_mean_std(x, v, sigma, sigma_next, 0.7, 0.9)
+    mean, std = sde_mean_std(x, v, sigma, sigma_next, noise_level=0.7, sigma_max=0.9)
     x_next = mean + std * torch.randn(x.shape, generator=g)
     want = torch.distributions.Normal(mean, std.expand_as(mean)).log_prob(x_next).flatten(1).mean(1)
     torch.testing.assert_close(gaussian_logp(x_next, mean, std), want, rtol=1e-6, atol=1e-6)
@@ -38,7 +38,7 @@ def _trajectories(n=4, steps=4, window=None):
     dit = build_model(CFG, "generator")
     noise = torch.randn(n, steps + 1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
     sigmas, sde = sigma_schedule(steps), sde_steps(steps, window)
-    states, logps = sample(lambda x, s: dit(x, s, text, pad), noise, sigmas, 0.7, sde)
+    states, logps = sample(lambda x, s: dit(x, s, text, pad), noise, sigmas, 0.7, sde=sde)
     return dit, {"states": states, "state_steps": torch.arange(steps + 1), "logps": logps, "sigmas": sigmas, "sde": sde,
                  "cond": {"text": text, "text_pad": pad}, "shared_cond": {}}
 

@@ -161,7 +161,8 @@ def test_the_ranks_shares_of_loss_and_gradient_add_up_to_the_whole_batchs():
     parts, part_loss, part_kl = [], 0.0, 0.0
     for rank in range(3):
         expert.optimizer.zero_grad(set_to_none=True)
-        loss, stats = expert.kind.backward(expert.model, expert.reference, batch, adv, Gang(rank, 3, "ddp", 1).rows(6))
+        loss, stats = expert.kind.backward(expert.model, expert.reference, batch, adv, rows=Gang(rank, 3, "ddp",
+                                                                                                 1).rows(6))
         parts.append(gradient(expert))
         part_loss, part_kl = part_loss + loss, part_kl + stats["kl"]
     assert abs(part_loss - whole_loss) < 1e-6 and abs(part_kl - whole_stats["kl"]) < 1e-7
@@ -188,7 +189,7 @@ def test_a_smaller_share_makes_as_many_passes_as_the_largest_and_they_add_nothin
         for padding in (None, pad_to):
             expert.optimizer.zero_grad(set_to_none=True)
             passes.clear()
-            loss, stats = expert.kind.backward(expert.model, expert.reference, batch, adv, rows, pad_to=padding)
+            loss, stats = expert.kind.backward(expert.model, expert.reference, batch, adv, rows=rows, pad_to=padding)
             runs.append((loss, stats, gradient(expert), len(passes)))
         (loss, stats, grad, n), (padded_loss, padded_stats, padded_grad, padded_n) = runs
         assert padded_n == 2 and n == len(rows)
@@ -296,7 +297,7 @@ def gather_on_two_ranks(rank: int, port: int, by_unit: bool, out: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 10), nn.ModuleList([nn.Linear(10, 10), nn.Linear(10, 10)]), nn.Linear(10, 3))
     whole = {k: v.clone() for k, v in model.state_dict().items()}
-    parallel.join_group("127.0.0.1", port, "gang-0", rank, 2, "gloo", 60)
+    parallel.join_group("127.0.0.1", port, "gang-0", rank, world_size=2, backend="gloo", timeout_s=60)
     parallel.shard(model, torch.device("cpu"))
 
     class Copies(TorchDispatchMode):

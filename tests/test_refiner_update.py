@@ -91,7 +91,8 @@ def test_micro_batches_and_rank_shares_give_the_whole_batchs_loss_and_gradient(s
             rows = Gang(rank, ranks, "ddp", 1).rows(N) if ranks > 1 else None
             done = []
             hook = head_of(policy).weight.register_hook(lambda g: done.append(1))
-            part, part_stats = kind.backward(policy, reference, batch, adv, rows, lambda: passes.append(len(done)))
+            part, part_stats = kind.backward(policy, reference, batch, adv, rows=rows,
+                                             before_last=lambda: passes.append(len(done)))
             hook.remove()
             total, kl, ratio = total + part, kl + part_stats["kl"], ratio + part_stats["ratio_mean"]
             share = N if rows is None else len(rows)

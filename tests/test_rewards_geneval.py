@@ -512,7 +512,7 @@ def test_grounding_post_processing_agrees_with_the_processor(grounding):
     spans = detector.spans(queries)
     assert [[len(s) for s in row] for row in spans] == [[3, 13], [3]]  # bytes: one token a letter
     sizes = [(32, 32), (24, 40)]
-    mine = grounding_detections(outputs.logits, outputs.pred_boxes, spans, queries, sizes)
+    mine = grounding_detections(outputs.logits, outputs.pred_boxes, spans, queries, sizes=sizes)
     theirs = detector.processor.post_process_grounded_object_detection(
         outputs, inputs["input_ids"], threshold=-1.0, text_threshold=1.0, target_sizes=sizes)
     probs = torch.sigmoid(outputs.logits)

@@ -101,7 +101,7 @@ def test_prompt_sets_share_no_prompt_and_read_in_the_video_vocabulary():
 
 def test_the_video_dit_patches_clips_in_time_and_space_and_keeps_the_image_model():
     torch.manual_seed(0)
-    video = TinyDiT(32, 3, 4, 32, 1, 2, 16, frames=4, frame_patch=2)
+    video = TinyDiT(32, 3, 4, 32, n_layers=1, n_heads=2, d_text=16, frames=4, frame_patch=2)
     x = torch.randn(2, 3, 4, 32, 32)
     tokens = video.patchify(x)
     assert tokens.shape == (2, 2 * 8 * 8, 3 * 2 * 4 * 4)
@@ -109,7 +109,7 @@ def test_the_video_dit_patches_clips_in_time_and_space_and_keeps_the_image_model
     assert torch.equal(video.unpatchify(tokens), x)
     out = video(x, torch.rand(2), torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool))
     assert out.shape == x.shape
-    image = TinyDiT(32, 3, 4, 32, 1, 2, 16)
+    image = TinyDiT(32, 3, 4, 32, n_layers=1, n_heads=2, d_text=16)
     picture = torch.randn(2, 3, 32, 32)
     by_hand = picture.reshape(2, 3, 8, 4, 8, 4).permute(0, 2, 4, 1, 3, 5).reshape(2, 64, 48)  # the 2D patches
     assert torch.equal(image.patchify(picture), by_hand) and torch.equal(image.unpatchify(by_hand), picture)

@@ -101,7 +101,7 @@ def test_logged_clips_reach_the_sheet_tensorboard_wandb_and_the_report(tmp_path)
     clips = to_uint8(solid_clips(3))
     trackers = Trackers(logging_config(tmp_path, "logging.wandb=true"), tmp_path)
     sheet = trackers.samples(4, clips, ["a red circle", "a blue square", "two circles"],
-                             [{"refiner_0": "moving left"}, {}, {"refiner_0": ""}], [0.5, None, 1.0])
+                             [{"refiner_0": "moving left"}, {}, {"refiner_0": ""}], rewards=[0.5, None, 1.0])
     trackers.close()
     assert sheet == tmp_path / "samples" / "step_000004.gif" and len(gif_frames(sheet)) == F
     assert json.loads((tmp_path / "samples" / "step_000004.json").read_text())["fps"] == 4
@@ -124,7 +124,7 @@ def test_eval_writes_animated_grids_and_sheets_of_clips(tmp_path):
     prompts = [TextPrompt(f"p{i}", {"tag": tag}) for i, tag in enumerate(["a", "a", "b"])]
     result = {"images": solid_clips(3), "refinements": [{}, {"refiner_0": "x"}, {}],
               "terms": {"image": np.array([0.1, 0.2, 0.3])}, "valid": np.array([True, False, True])}
-    write_samples(tmp_path, logging_config(tmp_path), prompts, result, {"image": 1.0})
+    write_samples(tmp_path, logging_config(tmp_path), prompts, result, weights={"image": 1.0})
     samples = gif_frames(tmp_path / "eval_samples.gif")
     np.testing.assert_array_equal(samples.shape[1:], grid(solid_clips(4), cols=2)[0].shape)  # a row per tag
     assert_plays(samples, to_uint8(solid_clips(3))[2, :, 0, 0], samples.shape[1] - 10, 10)  # row b, tile 0
@@ -180,10 +180,10 @@ def test_a_rollout_and_an_evaluation_of_clips_score_per_frame_and_write_animatio
     by_frame = [image(clips[:, f], prompts=[s.prompt for s in samples], refinements=[{}] * 4) for f in (0, F - 1)]
     np.testing.assert_allclose(meta.terms["image"], np.minimum(*by_frame))
     sheet = Trackers(config, tmp_path).samples(0, meta.images, [s.prompt.text for s in samples[:3]],
-                                               meta.refinements[:3], [0.1, 0.2, None])
+                                               meta.refinements[:3], rewards=[0.1, 0.2, None])
     assert len(gif_frames(sheet)) == F
     held = prompt_set(3, seed=1)
     result = pipeline.evaluate(held, refine=True)
     assert result["images"].shape == (3, F, 3, side, side)
-    write_samples(tmp_path, config, held, result, config.reward.weights)
+    write_samples(tmp_path, config, held, result, weights=config.reward.weights)
     assert len(gif_frames(tmp_path / "eval_sheet.gif")) == F and len(gif_frames(tmp_path / "eval_samples.gif")) == F

@@ -149,8 +149,10 @@ def test_refine_samples_draws_from_the_engine_seeded_per_sample(lms, one_thread)
     config = engine_config(lms["qwen2"])
     engine = build_model(config, "refiner_0", serving=True)
     samples = [Sample(i, i // 2, p, True) for i, p in enumerate(prompt_set(160, seed=1))]  # more prompt tokens
-    made, batch = refine_samples(engine, "refiner_0", 0, 5, samples, torch.device("cpu"))   # than one engine step
-    again, part = refine_samples(engine, "refiner_0", 0, 5, samples[3:9], torch.device("cpu"))  # takes at once
+    made, batch = refine_samples(engine, "refiner_0", 0, 5, samples=samples,
+                                 device=torch.device("cpu"))   # than one engine step
+    again, part = refine_samples(engine, "refiner_0", 0, 5, samples=samples[3:9],
+                                 device=torch.device("cpu"))  # takes at once
     assert [r.text for r in made[3:9]] == [r.text for r in again]
     assert (batch["tokens"][3:9] == part["tokens"]).all() and batch["tokens"].shape == (160, NEW_TOKENS)
 

@@ -169,9 +169,10 @@ def test_the_update_on_video_latents_reaches_both_transformers():
     cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
     sigmas, sde = frontend.sigmas(STEPS), torch.ones(STEPS, dtype=torch.bool)
     noise = torch.randn((len(PROMPTS), STEPS + 1, *frontend.latent_shape), generator=torch.Generator().manual_seed(2))
-    states, logps = sample(lambda x, s: velocity(x, s, **cond), noise, sigmas, 0.7, sde)
+    states, logps = sample(lambda x, s: velocity(x, s, **cond), noise, sigmas, 0.7, sde=sde)
     per_sample, shared = split_shared(cond)
-    travelled = trajectories(states, torch.arange(STEPS + 1), logps, per_sample, shared, sigmas, sde)
+    travelled = trajectories(states, torch.arange(STEPS + 1), logps, per_sample, shared_cond=shared, sigmas=sigmas,
+                             sde=sde)
     assert travelled.states.shape == (len(PROMPTS), STEPS + 1, *frontend.latent_shape)
     batch = {"states": states, "state_steps": torch.arange(STEPS + 1), "logps": logps, "sigmas": sigmas, "sde": sde,
              "cond": per_sample, "shared_cond": shared}

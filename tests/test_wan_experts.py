@@ -95,9 +95,9 @@ def sampled_trajectories(velocity, frontend):
     cond = frontend.condition([TextPrompt(p) for p in PROMPTS], [{} for _ in PROMPTS])
     sigmas, sde = frontend.sigmas(4), torch.ones(4, dtype=torch.bool)
     noise = torch.stack([initial_latents(frontend, 5, seed=k) for k in range(len(PROMPTS))])
-    states, logps = sample(lambda x, s: velocity(x, s, **cond), noise, sigmas, 0.7, sde)
+    states, logps = sample(lambda x, s: velocity(x, s, **cond), noise, sigmas, 0.7, sde=sde)
     per_sample, shared = split_shared(cond)
-    return trajectories(states, torch.arange(5), logps, per_sample, shared, sigmas, sde)
+    return trajectories(states, torch.arange(5), logps, per_sample, shared_cond=shared, sigmas=sigmas, sde=sde)
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,7 @@ def test_what_leaves_an_expert_or_a_worker_holds_no_tensor_and_restores_exactly(
     fresh.restore(*snapshot)
     live, restored = expert.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
     assert all(torch.equal(live[p][k], restored[p][k]) for p in live for k in live[p])
-    state_file.write(tmp_path, "generator", *snapshot)
+    state_file.write(tmp_path, "generator", snapshot.weights, snapshot.optimizer, info=snapshot.info)
     saved = state_file.read(tmp_path, "generator").optimizer["state"]
     assert all(torch.equal(live[p][k], saved[p][k]) for p in live for k in live[p])
 
@@ -116,7 +116,7 @@ def test_bfloat16_moments_travel_as_their_words_and_come_back_bit_for_bit(tmp_pa
     travelled = optimizer_arrays(state, private=True)
     assert sorted(travelled["bfloat16"]) == ["2.exp_avg", "2.exp_avg_sq", "3.exp_avg", "3.exp_avg_sq"]
     assert travelled["state"][2]["exp_avg"].dtype == np.int16 and travelled["state"][0]["step"].shape == ()
-    state_file.write(tmp_path, "e", {}, travelled, ExpertInfo(1, 0))  # a checkpoint holds them as bfloat16
+    state_file.write(tmp_path, "e", {}, travelled, info=ExpertInfo(1, 0))  # a checkpoint holds them as bfloat16
     for back in (optimizer_tensors(travelled), state_file.read(tmp_path, "e").optimizer):
         for p, entries in state["state"].items():
             for k, v in entries.items():

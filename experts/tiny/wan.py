@@ -53,7 +53,7 @@ def _scheduler():
                                    num_train_timesteps=1000)
 
 
-def _save(out: Path, vae, transformer, transformer_2=None, boundary_ratio=None, expand_timesteps=False) -> Path:
+def _save(out: Path, vae, transformer, transformer_2=None, *, boundary_ratio=None, expand_timesteps=False) -> Path:
     from diffusers import WanPipeline
     tokenizer, text_encoder = _text_side()
     WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=_scheduler(),

@@ -76,7 +76,7 @@ class Aesthetic(RewardModel):
             raise ValueError(f"no aesthetic head at {path}: set `head` to the safetensors file of the MLP "
                              "(see tasks/rewards/aesthetic.py for converting the released .pth)")
         self.head = load_head(path).to(device).eval().requires_grad_(False)
-        self.clip = ClipEncoder(self.model_name, self.model_name, self.dtype, device, options.revision)
+        self.clip = ClipEncoder(self.model_name, self.model_name, self.dtype, device, revision=options.revision)
 
     @torch.no_grad()
     def __call__(self, images: np.ndarray, prompts: Sequence[Any],

@@ -48,7 +48,7 @@ class ClipEncoder:
     mode): the unit embeddings of a batch of images or texts, each in one forward pass."""
 
     def __init__(self, model: str, processor: str, dtype: torch.dtype, device: torch.device,
-                 revision: str | None = None):
+                 *, revision: str | None = None):
         from transformers import AutoProcessor, CLIPModel
         same = processor == model
         self.processor = AutoProcessor.from_pretrained(local_model(processor, revision if same else None, weights=same))
@@ -84,7 +84,8 @@ class ClipScore(RewardModel):
 
     def __init__(self, options: Options, device: torch.device):
         super().__init__(options, device)
-        self.clip = ClipEncoder(self.model_name, self.processor_of(options), self.dtype, device, options.revision)
+        self.clip = ClipEncoder(self.model_name, self.processor_of(options), self.dtype, device,
+                                revision=options.revision)
 
     @classmethod
     def processor_of(cls, options: Options) -> str:

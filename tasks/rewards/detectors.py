@@ -82,7 +82,7 @@ def owl_detections(logits: torch.Tensor, pred_boxes: torch.Tensor, queries: Sequ
 
 
 def grounding_detections(logits: torch.Tensor, pred_boxes: torch.Tensor, spans: Sequence[Sequence[list[int]]],
-                         labels: Sequence[Sequence[str]], sizes: Sequence[tuple[int, int]]) -> list[list[Detection]]:
+                         labels: Sequence[Sequence[str]], *, sizes: Sequence[tuple[int, int]]) -> list[list[Detection]]:
     """Every box of each image with its best class, a class scoring the best sigmoid over its own
     tokens `spans` (Grounding DINO scores boxes against text tokens; transformers'
     `post_process_grounded_object_detection` takes the best over all tokens, separators included,
@@ -176,14 +176,14 @@ class GroundingDino:
     def __call__(self, images: Sequence, queries: Sequence[Sequence[str]]) -> list[list[Detection]]:
         outputs = self.model(**self.encode(images, queries))
         return grounding_detections(outputs.logits, outputs.pred_boxes, self.spans(queries), queries,
-                                    [im.size[::-1] for im in images])
+                                    sizes=[im.size[::-1] for im in images])
 
 
 DETECTORS = {"owlv2": OwlV2, "grounding_dino": GroundingDino}
 
 
 def load_detector(name: str, detector: str | None, template: str | None, dtype: torch.dtype,
-                  device: torch.device, revision: str | None = None) -> OwlV2 | GroundingDino:
+                  *, device: torch.device, revision: str | None = None) -> OwlV2 | GroundingDino:
     """The detector `name` names (at `revision`); its kind is read from its config (`detector`, if
     given, must agree)."""
     from transformers import AutoConfig, AutoModelForZeroShotObjectDetection, AutoProcessor

@@ -280,8 +280,9 @@ class GenEval(RewardModel):
 
     def __init__(self, options: GenEvalOptions, device: torch.device):
         super().__init__(options, device)
-        self.detector = load_detector(self.model_name, options.detector, options.query_template, self.dtype, device,
-                                      options.revision)
+        self.detector = load_detector(self.model_name, options.detector, options.query_template, self.dtype,
+                                      device=device,
+                                      revision=options.revision)
         self.colours = ColourClassifier(options.clip_model, self.dtype, device)
 
     @classmethod

@@ -136,7 +136,7 @@ class HttpReward(RewardModel):
         for attempt in range(self.options.retries + 1):
             try:
                 answer = post(self.options.url, what, data, self.options.timeout_s,
-                              os.environ.get(self.options.token_env))
+                              token=os.environ.get(self.options.token_env))
                 break
             except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 if isinstance(e, urllib.error.HTTPError) and e.code < 500 or attempt == self.options.retries:
@@ -151,7 +151,7 @@ class HttpReward(RewardModel):
         return np.array([np.nan if s is None else s for s in scores], dtype=np.float64)
 
 
-def post(url: str, what: str, data: bytes, timeout_s: float, token: str | None) -> Any:
+def post(url: str, what: str, data: bytes, timeout_s: float, *, token: str | None) -> Any:
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     request = urllib.request.Request(f"{url.rstrip('/')}/{what}", data=data, headers=headers, method="POST")
     with urllib.request.urlopen(request, timeout=timeout_s) as response:

@@ -29,7 +29,7 @@ class TemporalConsistency(RewardModel):
 
     def __init__(self, options: Options, device: torch.device):
         super().__init__(options, device)
-        self.clip = ClipEncoder(self.model_name, self.model_name, self.dtype, device, options.revision)
+        self.clip = ClipEncoder(self.model_name, self.model_name, self.dtype, device, revision=options.revision)
 
     @torch.no_grad()
     def __call__(self, clips: np.ndarray, prompts: Sequence[Any],

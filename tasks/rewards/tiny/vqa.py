@@ -34,7 +34,7 @@ def text_config(tokenizer) -> dict:
                 initializer_range=STD)
 
 
-def save(out: Path, model_class, config_class, tokenizer, vision: dict) -> Path:
+def save(out: Path, model_class, config_class, tokenizer, *, vision: dict) -> Path:
     """The model (seeded), the image processor (images resized to between 16×16 and 32×32 pixels, i.e.
     4 to 16 image tokens: a 32×32 or 64×64 image gives 16) and the tokenizer with the chat template."""
     from transformers import Qwen2VLImageProcessorPil
@@ -63,7 +63,7 @@ def tiny_qwen2_vl(out: Path) -> Path:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2, initializer_range=STD)
-    return save(out, Qwen2VLForConditionalGeneration, Qwen2VLConfig, qwen_vl_tokenizer(), vision)
+    return save(out, Qwen2VLForConditionalGeneration, Qwen2VLConfig, qwen_vl_tokenizer(), vision=vision)
 
 
 def tiny_qwen2_5_vl(out: Path) -> Path:
@@ -75,4 +75,4 @@ def tiny_qwen2_5_vl(out: Path) -> Path:
     vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2, window_size=2 * PATCH * MERGE,
                   fullatt_block_indexes=[1], initializer_range=STD)
-    return save(out, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, qwen_vl_tokenizer(), vision)
+    return save(out, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, qwen_vl_tokenizer(), vision=vision)
