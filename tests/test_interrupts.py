@@ -139,7 +139,7 @@ def test_a_checkpoint_cut_short_is_absent_never_torn(tmp_path, how):
               "snap = lambda v: {'generator': Snapshot({'w': np.full(1000, v, np.float32)}, None, ExpertInfo(v, v))}\n"
               f"checkpoint.save({str(tmp_path)!r}, 1, snap(1))\n"
               "write = state_file.write\n"
-              "def slow(*args):\n    hashes = write(*args)\n    print('writing', flush=True)\n    time.sleep(60)\n    return hashes\n"
+              "def slow(*args, **kwargs):\n    hashes = write(*args, **kwargs)\n    print('writing', flush=True)\n    time.sleep(60)\n    return hashes\n"
               "state_file.write = slow\n"
               f"checkpoint.save({str(tmp_path)!r}, 2, snap(2))\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
