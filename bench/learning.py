@@ -70,6 +70,13 @@ METHODS = {
     "promptrl_rewrite": [*PROMPTRL_REWARD, "reward.terms.format.weight=0", "algorithm.credit=shared",
                          "task.compose=replace", "experts.n_refiners=1", "experts.refiner_0.max_new_tokens=17",
                          "pretrain.rewrite_share=1.0", "experts.refiner_0.lr=3e-4"],
+    # the rewriter (refiner_0, as above) beside two detail refiners, each paid by its counterfactual
+    # D_k: the rewriter says the request in the words the generator reads, the detail refiners vary
+    # each sample's details; the generator reads the rewrite and the details in place of the prompt
+    "promptrl_rewrite_detail": [*PROMPTRL_REWARD, "reward.terms.format.weight=0", "algorithm.credit=counterfactual",
+                                "experts.generator.owns=[image]", "task.compose=replace",
+                                "experts.refiner_0.max_new_tokens=17", "pretrain.rewrite_shares={refiner_0: 1.0}",
+                                "experts.refiner_0.lr=3e-4"],
     "shared": ["algorithm.credit=shared"],
     "per_expert": ["algorithm.credit=per_expert", "experts.generator.owns=[image]"],
     "counterfactual": ["algorithm.credit=counterfactual", "experts.generator.owns=[image]"],

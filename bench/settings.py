@@ -49,12 +49,14 @@ from learning import (BENCH, DIAGNOSTICS, METHODS, REFINERS, code_digest, final,
 LOW_DIVERSITY = ["experts.generator.same_initial_noise=true", "experts.generator.noise_level=0.1"]
 RARE = ["task.rare_wording=0.5", f"experts.base={ROOT / 'configs' / 'bases' / 'shapes-rare'}"]
 SETTINGS = {"control": [], "low_diversity": LOW_DIVERSITY, "rare_wording": RARE, "all": [*LOW_DIVERSITY, *RARE]}
-COMPARED = ("generator_only", "promptrl_replace", "promptrl_counterfactual", "promptrl_rewrite")
+COMPARED = ("generator_only", "promptrl_replace", "promptrl_counterfactual", "promptrl_rewrite",
+            "promptrl_rewrite_detail")
 # The quick run: one seed, a fifth of the steps, a sixth of the held-out prompts; the same settings
 # and methods, so it shows whether the ordering holds before hours are spent on the full one.
 QUICK = ["evaluation.every=10", "evaluation.per_category=16", "evaluation.batch_size=48",
          "trainer.prompts_per_step=8", "trainer.steps=30"]
 RARE_SET = "rare_wording"
+REWRITERS = ("promptrl_rewrite", "promptrl_rewrite_detail")  # whose text is longer than the base's captions
 
 
 def base_inits(setting: list[str]) -> list[str]:
@@ -239,7 +241,7 @@ def main() -> int:
     methods = [m for m in COMPARED if m == COMPARED[0] or m in args.methods]
     code = {s: code_digest(load_config("shapes", [*bench, *SETTINGS[s]])) for s in args.settings}
     jobs = [(s, m, seed) for seed in range(seeds) for s in args.settings for m in methods]
-    overrides = {(s, m): [*bench, *SETTINGS[s], *(base_inits([*bench, *SETTINGS[s]]) if m == "promptrl_rewrite" else [])]
+    overrides = {(s, m): [*bench, *SETTINGS[s], *(base_inits([*bench, *SETTINGS[s]]) if m in REWRITERS else [])]
                  for s in args.settings for m in methods}
     sets = {(s, m, seed): method_sets(overrides[s, m], m, seed, []) for s, m, seed in jobs}
     if args.report_only:

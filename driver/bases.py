@@ -45,18 +45,21 @@ def base_shaping(config) -> dict:
             "text_len": config.experts.text_encoder.max_sequence_length,
             "details": caption_details(config),
             "pretrain": config.pretrain.model_dump(exclude={"out_dir", "threads", "refiner_steps", "refiner_lr",
-                                                            "rare_caption_share", "rewrite_share"})}
+                                                            "rare_caption_share", "rewrite_share",
+                                                            "rewrite_shares"})}
 
 
-def refiner_shaping(config, refiner) -> dict:
+def refiner_shaping(config, refiner_id: str) -> dict:
     """Everything that shapes a refiner's supervised start (not its sampling temperature: the start
-    is learnt at temperature 1, as a pretrained LM's weights are, and sampled at any). A rewrite
-    share is named only where it is set, so the starts made before it existed keep their hash."""
-    rewrite = {"rewrite_share"} if config.pretrain.rewrite_share else set()
+    is learnt at temperature 1, as a pretrained LM's weights are, and sampled at any). Its rewrite
+    share is named only where it is not 0, so the starts made before it existed keep their hash;
+    not the refiner's id: two refiners of one shaping share one start."""
+    refiner, share = config.expert(refiner_id), config.pretrain.rewrite_share_of(refiner_id)
+    rewrite = {"rewrite_share": share} if share else {}
     return {"format": FORMAT, "vocab": refiner_vocabulary(config.task), "model": refiner.model.model_dump(),
             "max_new_tokens": refiner.max_new_tokens,
-            "pretrain": config.pretrain.model_dump(include={"refiner_steps", "refiner_lr", "batch_size", "seed",
-                                                            "degraded_share", "restate_share", *rewrite})}
+            "pretrain": {**config.pretrain.model_dump(include={"refiner_steps", "refiner_lr", "batch_size", "seed",
+                                                                 "degraded_share", "restate_share"}), **rewrite}}
 
 
 def digest(shaping: dict) -> str:
@@ -68,8 +71,8 @@ def base_dir(config, out_dir: str | Path | None = None) -> Path:
     return Path(out_dir or config.pretrain.out_dir) / f"base-{digest(base_shaping(config))}"
 
 
-def refiner_dir(config, refiner, out_dir: str | Path | None = None) -> Path:
-    return Path(out_dir or config.pretrain.out_dir) / f"refiner-{digest(refiner_shaping(config, refiner))}"
+def refiner_dir(config, refiner_id: str, out_dir: str | Path | None = None) -> Path:
+    return Path(out_dir or config.pretrain.out_dir) / f"refiner-{digest(refiner_shaping(config, refiner_id))}"
 
 
 def init_files(config, out_dir: str | Path, wanted: set[str]) -> dict[str, Path]:
@@ -93,10 +96,10 @@ def init_files(config, out_dir: str | Path, wanted: set[str]) -> dict[str, Path]
     for eid, refiner in config.experts.active_refiners().items():
         if refiner.model.kind != "tiny_lm" or eid not in wanted:
             continue
-        folder = refiner_dir(config, refiner, out_dir)
+        folder = refiner_dir(config, eid, out_dir)
         files[eid] = folder / "refiner.safetensors"
         if not folder.is_dir():
-            problems.append(differences(out_dir, "refiner-", refiner_shaping(config, refiner), eid,
+            problems.append(differences(out_dir, "refiner-", refiner_shaping(config, eid), eid,
                                         keys={"model.": f"experts.{eid}.model.",
                                               "max_new_tokens": f"experts.{eid}.max_new_tokens"}))
     if problems:

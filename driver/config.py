@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, \
@@ -421,6 +421,9 @@ class PretrainConfig(Strict):
                                  "words the base reads best), as an instruct LM asked to rewrite a prompt does; the "
                                  "rest are detail segments. For task.compose=replace, with max_new_tokens above the "
                                  "longest prompt's words (a rewrite longer than that is cut)")
+    rewrite_shares: dict[str, Annotated[float, Field(ge=0.0, le=1.0)]] = Field(
+        default_factory=dict, description="a refiner's own rewrite_share, by id (e.g. {refiner_0: 1.0}: one "
+        "rewriter beside detail refiners); a refiner not named has rewrite_share")
     rare_caption_share: float = Field(0.01, ge=0.0, le=1.0, description="under task.rare_wording, the share "
                                       "of the base's captions said in rare synonyms (a long tail); the refiners' "
                                       "supervised start sees both wordings equally")
@@ -429,6 +432,10 @@ class PretrainConfig(Strict):
     threads: PositiveInt = Field(2, description="torch CPU threads")
     seed: int = Field(0, description="seeds the pretraining data and noise")
     out_dir: str = Field("runs/pretrained", description="bases are cached here by a hash of what shapes them")
+
+    def rewrite_share_of(self, refiner_id: str) -> float:
+        """The share of `refiner_id`'s supervised examples that restate the whole request."""
+        return self.rewrite_shares.get(refiner_id, self.rewrite_share)
 
 
 class LoggingConfig(Strict):
@@ -548,6 +555,15 @@ class Config(Strict):
         for i, r in enumerate(self.experts.refiners):
             if r.owns is None:
                 r.owns = default_owns(i, n, text) or list(self.reward.terms)
+        return self
+
+    @model_validator(mode="after")
+    def _rewrite_shares_name_refiners(self):
+        refiners = [f"refiner_{i}" for i in range(len(self.experts.refiners))]
+        unknown = sorted(set(self.pretrain.rewrite_shares) - set(refiners))
+        if unknown:
+            raise ValueError(f"pretrain.rewrite_shares names {unknown}, not a refiner of this run: valid keys "
+                             f"here: {refiners or 'none (the run has no refiner)'}")
         return self
 
     @model_validator(mode="after")

@@ -179,7 +179,7 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
     """Supervised start for a refiner (as PromptRL starts from an instruct LM): maximum likelihood
     of the captions' detail segments. Cached by a hash like the base; returns (file, reused)."""
     refiner = config.expert(expert_id)
-    out = refiner_dir(config, refiner)
+    out = refiner_dir(config, expert_id)
     if (out / "manifest.json").is_file() and (out / "refiner.safetensors").is_file():
         return out / "refiner.safetensors", True
     pc = config.pretrain
@@ -193,13 +193,13 @@ def pretrain_refiner(config, expert_id: str, progress: bool = True) -> tuple[Pat
         prompts, tokens = refinement_batch(rng, pc.batch_size, degraded_share=pc.degraded_share,
                                            max_new_tokens=refiner.max_new_tokens, restate_share=pc.restate_share,
                                            rare_share=REFINER_RARE_SHARE if config.task.rare_wording else 0.0,
-                                           rewrite_share=pc.rewrite_share)
+                                           rewrite_share=pc.rewrite_share_of(expert_id))
         loss = -model.token_logprobs(prompts, tokens).sum() / (tokens != PAD).sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-    shaping = refiner_shaping(config, refiner)
+    shaping = refiner_shaping(config, expert_id)
     save_base(out, {"refiner": model}, {"key": digest(shaping), "made_from": shaping, "final_loss": loss.item()})
     return out / "refiner.safetensors", False
 

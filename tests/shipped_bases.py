@@ -24,12 +24,11 @@ def check_shipped_base(preset: str, shipped: Path, max_mib: float, overrides: tu
     promptrl_rewrite rewriter (REWRITER) made for it; (its base folder, its refiner folder), for the
     caller's own checks of its eval.json."""
     config = load_config(preset, list(overrides))
-    base, refiner = base_dir(config, shipped), refiner_dir(config, config.experts.refiners[0], shipped)
-    made_for = {base: base_shaping(config), refiner: refiner_shaping(config, config.experts.refiners[0])}
+    base, refiner = base_dir(config, shipped), refiner_dir(config, "refiner_0", shipped)
+    made_for = {base: base_shaping(config), refiner: refiner_shaping(config, "refiner_0")}
     if rewriter:
         rewriting = load_config(preset, [*overrides, "experts.base=null", *REWRITER])
-        made_for[refiner_dir(rewriting, rewriting.experts.refiners[0], shipped)] = refiner_shaping(
-            rewriting, rewriting.experts.refiners[0])
+        made_for[refiner_dir(rewriting, "refiner_0", shipped)] = refiner_shaping(rewriting, "refiner_0")
     assert sorted(p for p in shipped.iterdir() if p.is_dir()) == sorted(made_for)
     assert sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file()) < max_mib * 2 ** 20
     for folder, shaping in made_for.items():

@@ -42,7 +42,7 @@ def test_off_by_default_every_vocabulary_prompt_and_base_is_as_before():
     config = make_config()
     assert text_vocabulary(config.task) == refiner_vocabulary(config.task) == VOCAB
     assert base_dir(config).name == "base-8485d353bac7"  # the shipped base's hash: unchanged
-    assert refiner_dir(config, config.experts.refiners[0]).name == "refiner-f795d29c64c1"
+    assert refiner_dir(config, "refiner_0").name == "refiner-f795d29c64c1"
     task = build_task(config)
     assert [p.text for p in task.train_prompts()] == [p.text for p in prompt_set(40, seed=_prompt_seed(config))]
     assert set(task.eval_sets()) == {"held_out", "paraphrased"}
@@ -137,7 +137,7 @@ def test_the_shipped_rewriting_start_restates_rare_prompts_and_its_base_is_named
                       "experts.refiner_0.max_new_tokens=17", "pretrain.rewrite_share=1.0",
                       f"experts.generator.init={made / 'generator.safetensors'}",
                       f"experts.text_encoder.init={made / 'text_encoder.safetensors'}", preset="shapes")
-    assert cfg.expert("refiner_0").init == str(refiner_dir(cfg, cfg.expert("refiner_0"), base) / "refiner.safetensors")
+    assert cfg.expert("refiner_0").init == str(refiner_dir(cfg, "refiner_0", base) / "refiner.safetensors")
     model = build_model(cfg, "refiner_0")
     asked = [rare_worded(p) for p in prompt_set(64, 1)]
     tokens, _, _ = model.sample([list(p.ids) for p in asked], torch.rand(64, 17, generator=torch.Generator().manual_seed(0)))

@@ -108,7 +108,7 @@ def test_any_number_of_refiners_starts_from_the_shipped_base(n, tmp_path):
                                     "algorithm.group_size=4", "algorithm.num_skip_refinement=1",
                                     "experts.generator.sample_steps=4", "cluster.mode=inline"])
     preset = load_config("shapes")
-    base, refiner = base_dir(preset, SHIPPED), refiner_dir(preset, preset.experts.refiners[0], SHIPPED)
+    base, refiner = base_dir(preset, SHIPPED), refiner_dir(preset, "refiner_0", SHIPPED)
     assert config.experts.generator.init == str(base / "generator.safetensors")
     assert config.experts.text_encoder.init == str(base / "text_encoder.safetensors")
     assert [r.init for r in config.experts.refiners] == [str(refiner / "refiner.safetensors")] * n
