@@ -217,8 +217,8 @@ def checks(rows: list[dict], config, gpus: list[GPURow], asked_via: str) -> list
                  f"at v{steps}", len(rows) == steps and all(v == steps for v in versions.values()))]
     first = rows[0] if rows else {}
     ratios = {k.rsplit("/", 1)[1]: v for k, v in first.items() if k.startswith("ppo/ratio_mean/")}
-    tol = {e: ENGINE_RATIO_TOL if getattr(config.expert(e), "engine", "hf") == "vllm" else RATIO_TOL for e in trained}
-    engines = [e for e in trained if tol[e] == ENGINE_RATIO_TOL]
+    engines = [e for e in trained if getattr(config.expert(e), "engine", "hf") == "vllm"]
+    tol = {e: ENGINE_RATIO_TOL if e in engines else RATIO_TOL for e in trained}
     out.append(Check("first update on policy", ", ".join(f"{e} {r:.6f}" for e, r in ratios.items()) or "none",
                      f"|ppo/ratio_mean/<id> - 1| <= {RATIO_TOL:g} for every expert updated"
                      + (f" ({', '.join(engines)} on a vLLM engine: <= {ENGINE_RATIO_TOL:g})" if engines else ""),

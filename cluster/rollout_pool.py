@@ -58,7 +58,7 @@ class Rollout:
 class RolloutPool:
     def __init__(self, config, runtime: Runtime, faults: FaultCounts, plan):
         """`plan(step)`: the samples of `step` (algorithm/batch.py)."""
-        self.config, self.runtime, self.faults, self.plan = config, runtime, faults, plan
+        self.config, self.runtime, self.plan = config, runtime, plan
         self.retry = Retry(config.cluster, faults)
         self.refiner_ids = list(config.experts.active_refiners())
         self.reward_pools = spawn_pools(config, runtime)

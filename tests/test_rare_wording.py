@@ -145,3 +145,23 @@ def test_the_shipped_rewriting_start_restates_rare_prompts_and_its_base_is_named
     restated = [row[:row.index(EOS)] == [WORD_TO_ID[usual.get(w, w)] for w in p.text.split()] if EOS in row else False
                 for row, p in zip(tokens.tolist(), asked)]
     assert np.mean(restated) > 0.9
+
+
+def test_one_refiner_rewrites_beside_detail_refiners_from_the_shipped_starts(capsys):
+    """pretrain.rewrite_shares={refiner_0: 1.0}: refiner_0 starts from the rewriter shipped beside
+    the rare-wording base (the start pretrain.rewrite_share=1.0 makes for one refiner), the other
+    refiners from the detail refiners' start; a name that is not a refiner of the run exits 2."""
+    base = ROOT / "configs" / "bases" / "shapes-rare"
+    made = next(base.glob("base-*"))
+    named = [f"experts.generator.init={made / 'generator.safetensors'}",
+             f"experts.text_encoder.init={made / 'text_encoder.safetensors'}"]
+    cfg = make_config("task.rare_wording=0.5", f"experts.base={base}", "experts.refiner_0.max_new_tokens=17",
+                      "pretrain.rewrite_shares={refiner_0: 1.0}", *named, preset="shapes")
+    rewriter = make_config("task.rare_wording=0.5", f"experts.base={base}", "experts.n_refiners=1",
+                           "experts.refiner_0.max_new_tokens=17", "pretrain.rewrite_share=1.0", *named, preset="shapes")
+    detail = make_config("task.rare_wording=0.5", f"experts.base={base}", preset="shapes")
+    assert cfg.expert("refiner_0").init == rewriter.expert("refiner_0").init
+    assert [cfg.expert(e).init for e in ("refiner_1", "refiner_2")] == [detail.expert("refiner_1").init] * 2
+    assert cfg.pretrain.rewrite_share_of("refiner_0") == 1.0 and cfg.pretrain.rewrite_share_of("refiner_1") == 0.0
+    assert cli.main(["config", "show", "--config", "shapes", "--set", "pretrain.rewrite_shares={refiner_3: 1.0}"]) == 2
+    assert "pretrain.rewrite_shares names ['refiner_3']" in capsys.readouterr().err
