@@ -123,7 +123,8 @@ def engine_overrides() -> list[str]:
 def random_overrides(preset: str) -> list[str]:
     """The preset with each generator and refiner that names a hub id as `random:<hub id>`;
     SettingError if a reward term loads a model (none has a random stand-in)."""
-    from common.hub import RANDOM, ModelRef
+    from common.hub import ModelRef
+    from common.tiny import RANDOM
     from common.config import SettingError
     from driver.config import resolve_config
     from tasks.rewards import resolve
@@ -140,7 +141,8 @@ def random_overrides(preset: str) -> list[str]:
 def built_models(config) -> list[str]:
     """Build (or find) every `random:` model of the config's experts before the run, each timed
     and said (so that the actors find them built, and the build's time is not the run's)."""
-    from common.hub import is_random, local_model
+    from common.hub import local_model
+    from common.tiny import is_random
     names = list(dict.fromkeys(config.expert(e).model.path for e in config.experts.ids()
                                if is_random(getattr(config.expert(e).model, "path", None))))
     for name in names:
@@ -176,7 +178,7 @@ def smoke_config(preset: str, tiny: bool, gpus: int, gpu_memory_gb: float, steps
                  collective: bool, random: bool = False):
     """The run's config: the preset (or its tiny stand-in, or its random weights), planned for
     `gpus` GPUs of `gpu_memory_gb`, `steps` steps of `prompts` prompts (None: `smallest_batch`)."""
-    from driver.config import load_config
+    from driver.preflight import load_config
     source, overrides = smoke_overrides(preset, tiny, gpus, gpu_memory_gb, steps, collective, random)
     config = load_config(source, overrides)
     return load_config(source, [*overrides, f"trainer.prompts_per_step={prompts or smallest_batch(config)}"])

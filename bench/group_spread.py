@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 
 from algorithm.batch import step_samples  # noqa: E402
 from algorithm.similarity import signatures  # noqa: E402
-from driver.config import load_config  # noqa: E402
+from driver.preflight import load_config  # noqa: E402
 from experts.pipeline import RolloutPipeline  # noqa: E402
 from tasks import build_task  # noqa: E402
 from tasks.reward_guard import RewardFaults  # noqa: E402

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
 from cluster.runtime import get  # noqa: E402
-from driver.config import load_config  # noqa: E402
+from driver.preflight import load_config  # noqa: E402
 from driver.launch import start_driver, stop_driver  # noqa: E402
 from driver.layout_plan import compare, measured_costs  # noqa: E402
 from driver.plan import Target  # noqa: E402

@@ -53,7 +53,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from driver.config import load_config  # noqa: E402
+from driver.preflight import load_config  # noqa: E402
 
 PROMPTRL_REWARD = ["reward.terms.fidelity.weight=0", "reward.terms.style.weight=0", "reward.terms.format.weight=0.1"]
 METHODS = {
@@ -192,7 +192,7 @@ def measure_lever(run_dir: Path) -> None:
     import torch
 
     from driver.checkpoint import latest_weights
-    from driver.config import run_config
+    from driver.preflight import run_config
     from experts.devices import local_device
     from experts.pipeline import RolloutPipeline
     from experts.weights import model_tensors
@@ -224,7 +224,7 @@ def measure_transfer(gen_run: Path, refiner_runs: list[Path]) -> None:
     import torch
 
     from driver.checkpoint import latest_weights
-    from driver.config import run_config
+    from driver.preflight import run_config
     from experts.devices import local_device
     from experts.pipeline import RolloutPipeline
     from experts.weights import model_tensors

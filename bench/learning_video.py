@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from driver.config import load_config  # noqa: E402
+from driver.preflight import load_config  # noqa: E402
 
 PRESET = "shapes-video"
 WINDOW = 10  # steps averaged at each end

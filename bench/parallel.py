@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
 from cluster.runtime import get  # noqa: E402
-from driver.config import load_config  # noqa: E402
+from driver.preflight import load_config  # noqa: E402
 from driver.launch import start_driver, stop_driver  # noqa: E402
 
 MODEL = ["experts.generator.model.d_model=256", "experts.generator.model.n_layers=4", "experts.generator.sample_steps=6",

@@ -35,7 +35,7 @@ import ray  # noqa: E402
 from bench.scored_reward import score  # noqa: E402
 from cluster.expert_actor import ExpertActor  # noqa: E402
 from cluster.runtime import get  # noqa: E402
-from driver.config import load_config  # noqa: E402
+from driver.preflight import load_config  # noqa: E402
 from driver.launch import start_driver, stop_driver  # noqa: E402
 
 SCORED = ["reward.terms.scorer={fn: bench.scored_reward:scorer_term, weight: 0.0}"]

@@ -131,7 +131,7 @@ MODELS = {  # name -> (how its folder is made, image size, max_sequence_length)
 
 
 def config_of(path: Path, image_size: int, text: int, checkpointing: bool):
-    from driver.config import load_config
+    from driver.preflight import load_config
     return load_config("shapes-tiny", [f"experts.generator.parallel.activation_checkpointing={checkpointing}",
         f"experts.generator.model={{kind: diffusers_flow, path: {path}, guidance_scale: {GUIDANCE}, "
         f"max_sequence_length: {text}, lora: {{r: 32, alpha: 32}}}}", f"task.image_size={image_size}",

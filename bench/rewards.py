@@ -106,7 +106,7 @@ def batched(repeats: int) -> list[tuple]:
     round by round after a warm-up of each."""
     import torch
 
-    from driver.config import load_config
+    from driver.preflight import load_config
     from tasks.rewards.term import build_scorer
     torch.set_num_threads(1)
     config = load_config("prompts-tiny")
@@ -189,7 +189,7 @@ def pooled_phase(config, actors: dict, batches: dict[str, tuple], rounds: int) -
 def pools(rounds: int, real_rounds: int) -> list[tuple]:
     import ray
 
-    from driver.config import load_config
+    from driver.preflight import load_config
     config = load_config("prompts-tiny", [f"reward.terms.{name}={{fn: bench.rewards:Sleep, weight: 0.0, "
                                           f"seconds: {s}, actors: 1}}" for name, s in SLEEPS.items()])
     slow, fast = SLEEPS

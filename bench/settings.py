@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from driver.config import load_config  # noqa: E402
+from driver.preflight import load_config  # noqa: E402
 from learning import (BENCH, DIAGNOSTICS, METHODS, REFINERS, code_digest, final, finished, fmt, load,  # noqa: E402
                       method_sets, rollouts_to_reach, run_one, run_path, summarise, used)
 

@@ -33,7 +33,7 @@ from cluster.expert_actor import ExpertActor  # noqa: E402
 from cluster.rollout_worker import RolloutWorker  # noqa: E402
 from cluster.runtime import Runtime, get  # noqa: E402
 from cluster.weight_sync import WeightSyncActor  # noqa: E402
-from driver.config import load_config  # noqa: E402
+from driver.preflight import load_config  # noqa: E402
 from experts.kinds import build_model  # noqa: E402
 from experts.records import Release  # noqa: E402
 from experts.weights import fingerprint  # noqa: E402

@@ -35,7 +35,7 @@ def main() -> int:
     import torch
     import transformers
     from algorithm.batch import Sample
-    from driver.config import load_config
+    from driver.preflight import load_config
     from experts.pipeline import RolloutPipeline
     from tasks.shapes import prompt_set
     torch.set_num_threads(1)

@@ -45,7 +45,7 @@ def model_dir(root: Path) -> Path:
 def setup(path: Path, beta: float, device: torch.device):
     """(policy with a LoRA adapter, its reference, trajectories of B samples, their conditioning)."""
     from algorithm.sde import sample
-    from driver.config import load_config
+    from driver.preflight import load_config
     from experts.frontend import build_frontend
     from experts.kinds import build_model
     from experts.trajectories import split_shared

@@ -48,7 +48,7 @@ def measure(engine: str, n_prompts: int, repeats: int, threads: int, compiled: b
     up, then `repeats` times timed."""
     import torch
 
-    from driver.config import load_config
+    from driver.preflight import load_config
     from experts.kinds import build_model
     from experts.pipeline import refine_samples
     from algorithm.batch import Sample

@@ -33,7 +33,7 @@ PROMPTS = ["a red circle moving left", "two squares moving apart"]
 
 
 def config(*extra: str):
-    from driver.config import load_config
+    from driver.preflight import load_config
     return load_config("shapes-tiny", [
         f"experts.generator.model={{kind: diffusers_flow, path: 'tiny:wan2.1', guidance_scale: {GUIDANCE}, "
         f"max_sequence_length: 16}}", f"task.num_frames={FRAMES}", f"task.image_size={HEIGHT}",

@@ -23,6 +23,8 @@ import psutil
 import ray
 from ray._private import ray_constants
 
+from common.config import SettingError
+
 
 def connect(address: str | None, num_cpus: int | None = None, log_file: Path | None = None,
             num_gpus: int | None = None, *, temp_dir: str | None = None, spill_dir: str | None = None) -> None:
@@ -63,6 +65,19 @@ def connect(address: str | None, num_cpus: int | None = None, log_file: Path | N
         if node is not None:
             logging.getLogger("ray").info("Ray's session logs (the actors' output): %s", node.get_logs_dir_path())
     tighten_token_file()
+
+
+def connect_to(address: str | None, log_file: Path | None = None, cluster=None) -> None:
+    """Ray (its own lines to `log_file` if given; a local one in the `cluster` section's temp_dir
+    and spill_dir), or a SettingError naming the address and what a token-authenticated cluster
+    needs."""
+    folders = {"temp_dir": cluster.temp_dir, "spill_dir": cluster.spill_dir} if cluster else {}
+    try:
+        connect(address, log_file=log_file, **folders)
+    except ConnectionError as e:
+        raise SettingError(f"cannot connect to the Ray cluster at cluster.address={address!r} ({e}); a cluster "
+                          f"with token authentication needs RAY_AUTH_MODE=token in this client's environment "
+                          f"(and its token). Nothing was started.") from None
 
 
 def local_folders(temp_dir: str | None, spill_dir: str | None) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.hub import RANDOM, is_random, is_tiny, local_model
+from common.tiny import RANDOM, is_random, is_tiny, tiny_model
 
 ARCHITECTURES = Path(__file__).resolve().parents[1] / "configs" / "architectures"
 
@@ -25,7 +25,7 @@ class UnknownModel(ValueError):
 def config_folder(path: str, revision: str | None = None) -> Path:
     """The folder holding `path`'s config files (see the module docstring for the order)."""
     if is_tiny(path):
-        return Path(local_model(path))
+        return Path(tiny_model(path))
     if is_random(path):
         return config_folder(path[len(RANDOM):], revision)
     local = Path(path).expanduser()

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from common.architectures import config_folder, weighted_components
-from common.hub import cache_root
+from common.tiny import cache_root
 
 VERSION = "v1"  # bump when what a build writes changes
 DTYPE = torch.bfloat16

@@ -1,4 +1,4 @@
-"""The tokenizer of the tiny random models (common/hub.py's `tiny:<kind>`): bytes, so that they read
+"""The tokenizer of the tiny random models (common/tiny.py's `tiny:<kind>`): bytes, so that they read
 any prompt file."""
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ from tqdm import tqdm
 from cluster.startup import start_failure
 from common.config import SettingError
 from common.loading import one_line
-from driver.config import Config, load_config, run_config
+from driver.config import Config
+from driver.preflight import load_config, run_config
 from driver.interrupts import EXIT_CODES
 from driver.metrics import progress_line
 
@@ -233,7 +234,7 @@ def train(config: Config, run_dir: Path, interrupts, resume: Path | None = None)
     Where Ray ends under the run, the summary has `ray_gone` instead (said at once, in one line)."""
     import ray
 
-    from cluster.connect import RayGone, end_private_ray
+    from cluster.connect import RayGone, connect_to, end_private_ray
     from driver.checkpoint import step_of
     from driver.launch import start_driver
     from driver.preflight import fits_cluster
@@ -291,20 +292,6 @@ def follow_on_ray(driver, interrupts, progress: Progress) -> dict:
     finally:
         if reachable:
             stop_driver(driver)
-
-
-def connect_to(address: str | None, log_file: Path | None = None, cluster=None) -> None:
-    """Ray (its own lines to `log_file` if given; a local one in the `cluster` section's temp_dir
-    and spill_dir), or a SettingError naming the address and what a token-authenticated cluster
-    needs."""
-    from cluster.connect import connect
-    folders = {"temp_dir": cluster.temp_dir, "spill_dir": cluster.spill_dir} if cluster else {}
-    try:
-        connect(address, log_file=log_file, **folders)
-    except ConnectionError as e:
-        raise SettingError(f"cannot connect to the Ray cluster at cluster.address={address!r} ({e}); a cluster "
-                          f"with token authentication needs RAY_AUTH_MODE=token in this client's environment "
-                          f"(and its token). Nothing was started.") from None
 
 
 def evaluate(args) -> int:

@@ -1,9 +1,9 @@
 """The typed run config: the schema's defaults, presets (configs/*.yaml) override a few, `--set` any.
 
-`load_config` turns a preset name or YAML path plus `dotted.key=value` overrides into a validated
+`resolve_config` turns a preset name or YAML path plus `dotted.key=value` overrides into a validated
 `Config`, or raises `SettingError` with one paragraph that names the offending key. The schema here
 only judges values; the files, models, packages and reward function a config names are checked by
-driver/preflight.py, the last step of `load_config`. Every key carries its description:
+driver/preflight.py, whose `load_config` resolves a config, then checks it. Every key carries its description:
 `jointrl config keys` lists them, `jointrl config show` prints a resolved config with them.
 """
 from __future__ import annotations
@@ -748,31 +748,6 @@ def validated(tree: dict) -> Config:
         return Config.model_validate(tree)
     except ValidationError as e:
         raise SettingError(describe(e)) from None
-
-
-def load_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
-    """Resolve a preset name or YAML path plus `dotted.key=value` overrides into a Config, then check
-    what it names outside itself (files, models, packages, the reward function)."""
-    from driver.preflight import download_line, preflight
-    config = resolve_config(source, overrides)
-    preflight(config, download_line(source, overrides))
-    return config
-
-
-def run_config(run_dir: Path, flag: str, overrides: list[str] = (), layer: str | None = None) -> Config:
-    """The saved config of the run in `run_dir`, with the keys of `layer` (a preset name or YAML
-    path) set on top, then `overrides` (`flag` names the run in errors)."""
-    from driver import overrides as sets, presets
-    from driver.preflight import download_line, preflight
-    saved = Path(run_dir) / "config.yaml"
-    if not saved.is_file():
-        raise SettingError(f"{flag} '{run_dir}' is not a run directory (no config.yaml there)")
-    tree = presets.load_tree(str(saved))
-    if layer:
-        tree = sets.merge(tree, presets.load_tree(layer))
-    config = validated(sets.apply(sets.first_refiners(tree, list(overrides)), list(overrides)))
-    preflight(config, download_line(str(saved), overrides))
-    return config
 
 
 def invalid(problems: list[str]) -> str:

@@ -627,7 +627,7 @@ def target_for(config: Config, gpus: int | None = None, gpu_memory_gb: float | N
     if gpus is not None or gpu_memory_gb is not None or nodes is not None:
         return with_flags(config_target(config), gpus, gpu_memory_gb, nodes)
     if config.cluster.mode == "ray" and (config.cluster.address or os.environ.get("RAY_ADDRESS")):
-        from driver.cli import connect_to
+        from cluster.connect import connect_to
         connect_to(config.cluster.address)
         return cluster_target(config)
     return config_target(config)

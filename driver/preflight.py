@@ -3,6 +3,7 @@
 The schema (driver/config.py, common/config.py, experts/spec.py …) only judges values; whether the files, models,
 packages and reward function they name exist is asked here, once, so that `jointrl config show`
 works anywhere and a run still fails in one paragraph naming the key instead of minutes later.
+`load_config` and `run_config` are the config a command runs: resolved, then checked here.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from typing import TYPE_CHECKING
 from safetensors import safe_open
 
 from common.config import SettingError
-from common.hub import BUILDERS, RANDOM, TINY, is_random, is_tiny
+from common.tiny import BUILDERS, RANDOM, TINY, is_random, is_tiny
 from experts.state_file import sha256
-from driver.config import invalid
+from driver import overrides as sets, presets
+from driver.config import invalid, resolve_config, validated
 from driver.overrides import flat
 from experts.families import FAMILIES, VIDEO
 
@@ -398,3 +400,25 @@ def fits_cluster(config: Config) -> None:
     have = resources.get("memory", 0) + resources.get("object_store_memory", 0)
     if have and (too_big := memory_problem(config, have, "the Ray cluster")):
         raise SettingError(invalid([too_big]))
+
+
+def load_config(source: str = "shapes", overrides: list[str] = ()) -> Config:
+    """Resolve a preset name or YAML path plus `dotted.key=value` overrides into a Config, then check
+    what it names outside itself (files, models, packages, the reward function)."""
+    config = resolve_config(source, overrides)
+    preflight(config, download_line(source, overrides))
+    return config
+
+
+def run_config(run_dir: Path, flag: str, overrides: list[str] = (), layer: str | None = None) -> Config:
+    """The saved config of the run in `run_dir`, with the keys of `layer` (a preset name or YAML
+    path) set on top, then `overrides` (`flag` names the run in errors)."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        raise SettingError(f"{flag} '{run_dir}' is not a run directory (no config.yaml there)")
+    tree = presets.load_tree(str(saved))
+    if layer:
+        tree = sets.merge(tree, presets.load_tree(layer))
+    config = validated(sets.apply(sets.first_refiners(tree, list(overrides)), list(overrides)))
+    preflight(config, download_line(str(saved), overrides))
+    return config

@@ -8,7 +8,7 @@ they stay the same. Two stores are looked up, in order:
 
 - the measurements shipped beside the presets' architectures (configs/architectures/measured.json,
   written by `python bench/measured_architectures.py`; a test retraces each and compares);
-- this machine's, one file per key under `<jointrl cache>/measured/` (common/hub.py `cache_root`),
+- this machine's, one file per key under `<jointrl cache>/measured/` (common/tiny.py `cache_root`),
   written by the first plan that traces a model not shipped. A file that cannot be read is traced
   again and rewritten.
 
@@ -30,7 +30,7 @@ from typing import Callable, TypeVar
 
 from pydantic import TypeAdapter
 
-from common.hub import cache_root
+from common.tiny import cache_root
 
 SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "architectures" / "measured.json"
 LIBRARIES = ("torch", "diffusers", "transformers", "peft")

@@ -36,7 +36,7 @@ def word_tokenizer(extra: list[str], max_length: int | None = None):
 
 
 def tiny_causal_lm(out: Path, seed: int = 0, text: str = "shapes", arch: str = "qwen2", *, head_dim: int = 8) -> Path:
-    """`text`: "shapes" tokenizes the shapes words, "bytes" any text (common/hub.py's `tiny:` models).
+    """`text`: "shapes" tokenizes the shapes words, "bytes" any text (common/tiny.py's `tiny:` models).
     `arch`: qwen2 or qwen3, with 4 query heads of `head_dim` (2 key-value heads): 8 by default, 32
     or more for vLLM's CPU attention, which refuses smaller heads (`tiny_engine_lm`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from cluster.runtime import get
-from driver.config import load_config
+from driver.preflight import load_config
 from driver.launch import follow, start_driver, stop_driver
 
 _names = itertools.count()

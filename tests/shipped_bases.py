@@ -8,7 +8,7 @@ import torch
 
 from driver.bases import base_dir, base_shaping, digest, refiner_dir, refiner_shaping
 from experts.state_file import sha256
-from driver.config import load_config
+from driver.preflight import load_config
 from experts import state_file
 from experts.frontend import build_text_encoder
 from experts.kinds import build_model

@@ -167,7 +167,7 @@ def test_the_shapes_low_diversity_preset_is_the_benchmark_cell_it_reports():
     import learning
     import settings
 
-    from driver.config import load_config
+    from driver.preflight import load_config
     cell = [*learning.BENCH, *settings.SETTINGS["low_diversity"]]
     joint = load_config("shapes", [*cell, *learning.REFINERS, *learning.METHODS["promptrl_counterfactual"]])
     assert load_config("shapes-low-diversity").model_dump() == joint.model_dump()

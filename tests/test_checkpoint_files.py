@@ -149,7 +149,7 @@ def test_a_local_ray_keeps_its_session_and_spills_where_the_config_says(tmp_path
 
 def test_a_temp_dir_too_long_for_rays_sockets_is_refused_at_config_time():
     from common.config import SettingError
-    from driver.config import load_config
+    from driver.preflight import load_config
     with pytest.raises(SettingError, match=r"cluster\.temp_dir='/tmp/x{60}' .* is too long: Ray's sockets"):
         load_config("shapes-tiny", [f"cluster.temp_dir=/tmp/{'x' * 60}"])
     assert load_config("shapes-tiny", ["cluster.temp_dir=/scratch/ray"]).cluster.temp_dir == "/scratch/ray"

@@ -5,7 +5,8 @@ import yaml
 from common.config import SettingError
 import driver.cli as cli
 from driver import presets
-from driver.config import load_config, resolve_config
+from driver.config import resolve_config
+from driver.preflight import load_config
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import yaml
 
 from cluster.placement import demand
 from driver.cli import parse_args
-from driver.config import load_config
+from driver.preflight import load_config
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 ENTRYPOINT = "python -m driver train --config shapes-cluster --run-dir"

@@ -8,7 +8,7 @@ import torch
 
 from common.hub import local_model
 from driver import cli
-from driver.config import run_config
+from driver.preflight import run_config
 from driver.export import export_diffusers_generator, trained_model
 from experts import state_file
 from experts.kinds import build_model

@@ -376,7 +376,7 @@ def test_sample_draws_many_images_in_parts_the_same_as_at_once_and_refuses_too_m
     import numpy as np
 
     from driver.checkpoint import pipeline_at
-    from driver.config import run_config
+    from driver.preflight import run_config
     from tasks.base import TextPrompt
     _, pipeline = pipeline_at(finished, run_config(finished, "--run"))
     prompts = [TextPrompt("a red circle")] * 6

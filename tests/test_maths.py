@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from driver.config import load_config
+from driver.preflight import load_config
 from algorithm.credit import advantages, group_normalise
 from experts.frontend import build_text_encoder
 from experts.kinds import build_model

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.architectures import config_folder
-from common.hub import cache_root
+from common.tiny import cache_root
 from driver.config import resolve_config
 from experts import measurements, memory
 

@@ -20,7 +20,7 @@ import torch
 from common.config import SettingError
 import common.hub as hub
 from common.hub import local_model
-from driver.config import load_config
+from driver.preflight import load_config
 from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_m
 
 
 def config(mode: str, name: str):
-    from driver.config import load_config
+    from driver.preflight import load_config
     pool = "resources.custom={pool: 0.01}"
     return load_config("shapes-tiny", [f"trainer.steps={STEPS}", "cluster.rollout_workers=2", f"cluster.mode={mode}",
                                        f"trainer.run_name={name}", f"cluster.rollout_{pool}",

@@ -11,7 +11,8 @@ import torch
 
 from algorithm.batch import step_prompts
 from common.config import SettingError
-from driver.config import ClusterConfig, load_config, resolve_config
+from driver.config import ClusterConfig, resolve_config
+from driver.preflight import load_config
 from tasks.base import Refinement, TextPrompt
 from tasks.reward_guard import FailingRewards, RewardSet
 from tasks.rewards.term import TermConfig, build_scorer

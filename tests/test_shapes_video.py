@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from common.config import SettingError
-from driver.config import load_config, resolve_config
+from driver.config import resolve_config
+from driver.preflight import load_config
 from experts.dit import TinyDiT
 from tasks.base import to_uint8
 from tasks.rewards.base import Options

@@ -14,7 +14,7 @@ import pytest
 
 from common.config import SettingError
 from driver.bases import base_dir, refiner_dir
-from driver.config import load_config
+from driver.preflight import load_config
 from tests.shipped_bases import check_shipped_base
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,1 +1,1 @@
-"""Tiny random diffusers pipelines of each generator family, built in-process (common/hub.py `tiny:`)."""
+"""Tiny random diffusers pipelines of each generator family, built in-process (common/tiny.py `tiny:`)."""

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from common.hub import ModelRef, is_tiny, local_model
+from common.hub import ModelRef, local_model
+from common.tiny import is_tiny
 from common.loading import pretrained
 from tasks.base import Refinement
 from tasks.rewards.base import Options, RewardModel, pil_images

@@ -1,1 +1,1 @@
-"""Tiny random reward models of real architectures, built in-process for tests (common/hub.py `tiny:`)."""
+"""Tiny random reward models of real architectures, built in-process for tests (common/tiny.py `tiny:`)."""

@@ -1,4 +1,4 @@
-"""Tiny random CLIP models for the CLIP-based reward terms (common/hub.py `tiny:clip`, `tiny:aesthetic`).
+"""Tiny random CLIP models for the CLIP-based reward terms (common/tiny.py `tiny:clip`, `tiny:aesthetic`).
 
 `tiny_clip` saves a two-layer `CLIPModel` with a `CLIPProcessor` (a byte-level tokenizer, so any
 prompt file reads, and a `CLIPImageProcessor`, PIL-backed without torchvision) in the layout `CLIPModel.from_pretrained` and

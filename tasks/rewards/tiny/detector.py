@@ -1,4 +1,4 @@
-"""Tiny random open-vocabulary detectors for the `geneval` reward (common/hub.py `tiny:owlv2`).
+"""Tiny random open-vocabulary detectors for the `geneval` reward (common/tiny.py `tiny:owlv2`).
 
 `tiny_owlv2` saves an `Owlv2ForObjectDetection` with an `Owlv2Processor` in the layout of
 `google/owlv2-base-patch16-ensemble`; `tiny_grounding_dino` a `GroundingDinoForObjectDetection`
