@@ -15,34 +15,26 @@ as the real checkpoint: a run at real scale, planned as the real one, on a machi
 """
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 TINY = "tiny:"
 RANDOM = "random:"
-# kind -> builder `package.module:function(out_dir) -> out_dir`; bump a kind's suffix when its builder changes
-BUILDERS = {
-    "qwen2": "experts.tiny_hf:tiny_text_lm",
-    "qwen2_engine": "experts.tiny_hf:tiny_engine_lm",
-    "sd3": "experts.tiny_hf:tiny_text_sd3",
-    "flux1": "experts.tiny.flux1:tiny_flux1",
-    "flux2_klein": "experts.tiny.flux2:tiny_flux2_klein",
-    "qwen_image": "experts.tiny.qwen_image:tiny_qwen_image",
-    "wan2.1": "experts.tiny.wan:tiny_wan21",
-    "wan2.2_a14b": "experts.tiny.wan:tiny_wan22_a14b",
-    "wan2.2_ti2v": "experts.tiny.wan:tiny_wan22_ti2v",
-    "clip": "tasks.rewards.tiny.clip:tiny_clip",
-    "aesthetic": "tasks.rewards.tiny.clip:tiny_aesthetic",
-    "owlv2": "tasks.rewards.tiny.detector:tiny_owlv2",
-    "grounding_dino": "tasks.rewards.tiny.detector:tiny_grounding_dino",
-    "trocr": "tasks.rewards.tiny.ocr:tiny_trocr",
-    "qwen2_vl": "tasks.rewards.tiny.vqa:tiny_qwen2_vl",
-    "qwen2_5_vl": "tasks.rewards.tiny.vqa:tiny_qwen2_5_vl",
-}
-VERSION = "v1"
+# kind -> builder(out_dir): registered by the packages that own the models (`register_tiny`): the
+# generator families and LMs by experts/ (experts/tiny/), the reward models by tasks/rewards/tiny/
+BUILDERS: dict[str, Callable[[Path], object]] = {}
+VERSION = "v1"  # bump it when a builder changes: every tiny model is built anew
+
+
+def register_tiny(kind: str):
+    """A decorator: the function builds `tiny:<kind>` into the folder it is given."""
+    def registered(builder):
+        BUILDERS[kind] = builder
+        return builder
+    return registered
 
 
 def is_tiny(spec: str | None) -> bool:
@@ -66,14 +58,14 @@ def tiny_model(spec: str) -> str:
     """The folder of the tiny random model `tiny:<kind>`, built first if not cached."""
     kind = spec[len(TINY):]
     if kind not in BUILDERS:
-        raise ValueError(f"unknown tiny model '{spec}'; there are {[TINY + k for k in BUILDERS]}")
+        raise ValueError(f"unknown tiny model '{spec}'; there are {[TINY + k for k in BUILDERS]} (registered by "
+                         f"experts/tiny/ and tasks/rewards/tiny/ as their packages are imported)")
     out = cache_root() / f"{kind}-{VERSION}"
     if not out.is_dir():
-        module, _, name = BUILDERS[kind].partition(":")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=out.parent))
         try:
-            getattr(importlib.import_module(module), name)(tmp)
+            BUILDERS[kind](tmp)
             os.rename(tmp, out)
         except OSError:
             if not out.is_dir():  # not someone else's build that got there first

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from common.tiny import register_tiny
 from common.tiny_tokenizer import byte_tokenizer
 from tasks.shapes import VOCAB
 
@@ -55,6 +56,7 @@ def tiny_causal_lm(out: Path, seed: int = 0, text: str = "shapes", arch: str = "
     return Path(out)
 
 
+@register_tiny("qwen2_engine")
 def tiny_engine_lm(out: Path, seed: int = 0, arch: str = "qwen2") -> Path:
     """The tiny causal LM over the shapes words with heads vLLM's CPU attention serves (head_dim 32)."""
     return tiny_causal_lm(out, seed, arch=arch, head_dim=32)
@@ -96,11 +98,13 @@ def tiny_sd3(out: Path, seed: int = 0, sample_size: int = 16, text: str = "shape
     return Path(out)
 
 
+@register_tiny("qwen2")
 def tiny_text_lm(out: Path) -> Path:
     """`tiny:qwen2`: the tiny LM over bytes, for any prompt file."""
     return tiny_causal_lm(out, text="bytes")
 
 
+@register_tiny("sd3")
 def tiny_text_sd3(out: Path) -> Path:
     """`tiny:sd3`: the tiny SD3 pipeline over bytes, for any prompt file."""
     return tiny_sd3(out, text="bytes")

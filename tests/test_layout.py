@@ -3,6 +3,7 @@
 it, common/ is the floor (it imports no other package of the project), and tasks/ and algorithm/
 borrow nothing from experts/."""
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,23 @@ def test_no_module_imports_itself_round_a_circle():
 
     circles = sorted(m for m in edges if m in reach(m))
     assert not circles, circles
+
+
+def test_no_module_names_another_packages_module_in_a_string_to_import_it():
+    """A module is imported by an import statement that shows it, never by its dotted name in a
+    string (`experts.tiny.flux1:tiny_flux1`) from another package: the tiny models' builders are
+    registered by the packages that own them (common/tiny.py `register_tiny`). A package may name
+    its own modules, as the reward library names its built-ins to import them only when used."""
+    packages = (*CORE, "cluster", "driver")
+    named = re.compile(rf"^(({'|'.join(packages)})(\.\w+)+):\w+$")  # package.module:name
+    offending, seen = [], 0
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                found = isinstance(node, ast.Constant) and isinstance(node.value, str) and named.match(node.value)
+                if found and (ROOT / f"{found[1].replace('.', '/')}.py").is_file():
+                    seen += 1
+                    if found[2] != package:
+                        offending.append(f"{path.relative_to(ROOT)}: {node.value!r}")
+    assert seen > 5  # the reward library's built-ins
+    assert not offending, offending

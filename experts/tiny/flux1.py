@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from common.tiny import register_tiny
 from common.tiny_tokenizer import byte_tokenizer
 
 LATENT_CHANNELS = 4  # the transformer reads 2x2 patches of them: 16 channels a token
@@ -29,6 +30,7 @@ def with_template(tokenizer, template: str):
     return tokenizer
 
 
+@register_tiny("flux1")
 def tiny_flux1(out: Path, variant: Literal["dev", "schnell"] = "dev") -> Path:
     """A transformer of one double- and one single-stream block, width 32 (2 heads of 16), on 2x2
     patches of a 4-channel VAE latent at half the image's side (FLUX's VAE: no quant convs, its

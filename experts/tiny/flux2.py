@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from common.tiny import register_tiny
 from common.tiny_tokenizer import byte_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -25,6 +26,7 @@ TEXT_LAYERS = 28  # the pipeline stacks hidden_states[9], [18] and [27]
 TEXT_WIDTH = 16
 
 
+@register_tiny("flux2_klein")
 def tiny_flux2_klein(out: Path) -> Path:
     """A transformer of one double- and one single-stream block, width 32 (2 heads of 16), on the
     2x2-patchified latents (16 channels) of a 4-channel VAE at half the image's side, whose batch

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from common.tiny import register_tiny
 from common.tiny_tokenizer import byte_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -22,6 +23,7 @@ TEMPLATE_WORDS = ["system", "user", "assistant", "\n", "Describe", " the", " ima
 Z_DIM = 4
 
 
+@register_tiny("qwen_image")
 def tiny_qwen_image(out: Path) -> Path:
     """A 2-block transformer of width 32 (2 heads of 16) on 2x2 patches of a 4-channel VAE latent at a
     quarter of the image's side; a 2-layer text encoder of width 32; Qwen-Image's scheduler config

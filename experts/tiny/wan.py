@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from common.tiny import register_tiny
 from common.tiny_tokenizer import byte_tokenizer
 
 TEXT_WIDTH = 32
@@ -69,16 +70,19 @@ def _wan21_vae():
                             temperal_downsample=[False, True, True])
 
 
+@register_tiny("wan2.1")
 def tiny_wan21(out: Path) -> Path:
     """Wan2.1-T2V's layout: one transformer (2 blocks, 2 heads of 12) on the Wan2.1 VAE's 16 channels."""
     return _save(out, _wan21_vae(), _transformer(16, seed=0))
 
 
+@register_tiny("wan2.2_a14b")
 def tiny_wan22_a14b(out: Path) -> Path:
     """Wan2.2-T2V-A14B's layout: a high-noise and a low-noise transformer, switched at boundary_ratio 0.875."""
     return _save(out, _wan21_vae(), _transformer(16, seed=0), _transformer(16, seed=1), boundary_ratio=0.875)
 
 
+@register_tiny("wan2.2_ti2v")
 def tiny_wan22_ti2v(out: Path) -> Path:
     """Wan2.2-TI2V-5B's layout: the Wan2.2 VAE (48 channels, 16x spatial) and a timestep per latent token."""
     from diffusers import AutoencoderKLWan

@@ -1,12 +1,15 @@
 """The reward library: built-in terms by short name, and a user's own `package.module:function`.
 
 Each built-in is a `RewardModel` class (tasks/rewards/base.py) imported only when a config names
-it, so a run that uses none of them imports no `transformers`.
+it, so a run that uses none of them imports no `transformers`. Importing the package registers the
+tiny reward models' builders (tasks/rewards/tiny/).
 """
 from __future__ import annotations
 
 import importlib
 import inspect
+
+from tasks.rewards import tiny  # noqa: F401
 
 BUILTINS = {
     "clip_score": "tasks.rewards.clip:ClipScore",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from common.tiny import register_tiny
 from common.tiny_tokenizer import byte_tokenizer
 
 PROJECTION = 32   # the embedding width: the aesthetic head's input
@@ -31,6 +32,7 @@ def clip_tokenizer():
     return tokenizer
 
 
+@register_tiny("clip")
 def tiny_clip(out: Path) -> Path:
     """`tiny:clip`: 32x32 images in 8x8 patches, hidden 32, two layers, embeddings of width 32."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
@@ -50,6 +52,7 @@ def tiny_clip(out: Path) -> Path:
     return Path(out)
 
 
+@register_tiny("aesthetic")
 def tiny_aesthetic(out: Path) -> Path:
     """`tiny:aesthetic`: `tiny_clip` and a random aesthetic head whose widths shrink from the
     embedding width as the reference's do from 768 (768, 1024, 128, 64, 16 -> 1)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from common.tiny import register_tiny
 from common.tiny_tokenizer import byte_tokenizer
 
 IMAGE_SIZE = 32
@@ -34,6 +35,7 @@ def owl_tokenizer():
     return tokenizer
 
 
+@register_tiny("owlv2")
 def tiny_owlv2(out: Path) -> Path:
     """`tiny:owlv2`: 32x32 images in 8x8 patches (16 boxes), one-layer towers of width 16."""
     from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessorPil, Owlv2Processor
@@ -53,6 +55,7 @@ def tiny_owlv2(out: Path) -> Path:
     return Path(out)
 
 
+@register_tiny("grounding_dino")
 def tiny_grounding_dino(out: Path) -> Path:
     """A Grounding DINO over a one-block-per-stage Swin (width 8) and a one-layer BERT (width 16),
     12 object queries. Width 64: its GroupNorms take 32 groups, and the coarsest level of a 32x32

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import torch
 
+from common.tiny import register_tiny
 from common.tiny_tokenizer import byte_tokenizer
 
 IMAGE_SIZE = 32
 STD = 0.3  # weights this large make what it reads depend on the image (0.02 reads the same for all)
 
 
+@register_tiny("trocr")
 def tiny_trocr(out: Path) -> Path:
     """A 32×32-input ViT (8×8 patches) feeding a two-layer TrOCR decoder over bytes. Generation starts
     at `<s>`, stops at `</s>` and pads with `<pad>`, all set in the model's config and its generation

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from common.tiny import register_tiny
 from common.tiny_tokenizer import byte_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -58,6 +59,7 @@ def qwen_vl_tokenizer():
     return tokenizer
 
 
+@register_tiny("qwen2_vl")
 def tiny_qwen2_vl(out: Path) -> Path:
     """Qwen2-VL: one vision block of width 16 (full attention), merged into the text width."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
@@ -66,6 +68,7 @@ def tiny_qwen2_vl(out: Path) -> Path:
     return save(out, Qwen2VLForConditionalGeneration, Qwen2VLConfig, qwen_vl_tokenizer(), vision=vision)
 
 
+@register_tiny("qwen2_5_vl")
 def tiny_qwen2_5_vl(out: Path) -> Path:
     """Qwen2.5-VL: two vision blocks of width 16, the first attending within windows of 16×16 pixels
     (2×2 merged tokens, so a 32×32 image has four windows), the second over the whole image, as
