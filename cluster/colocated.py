@@ -18,10 +18,8 @@ from functools import partial
 
 import numpy as np
 
-from cluster.recovery import FaultCounts, Retry
-from cluster.reward_pool import spawn_pools
-from cluster.rollout_pool import Rollout
-from cluster.runtime import Runtime, get
+from cluster.rollouts import Rollout, Rollouts
+from cluster.runtime import get
 from experts.expert import GangBroken, StaleExpert
 from experts.pipeline import RolloutMeta, RolloutOutputs
 
@@ -44,19 +42,10 @@ def metas_of(outputs: list[RolloutOutputs]) -> list[RolloutMeta]:
     return get([o.meta for o in outputs])
 
 
-class ColocatedRollouts:
-    """The driver's rollouts under `cluster.layout=colocated`: the same calls as `RolloutPool`'s,
-    made of the experts' ranks (through the expert group) instead of rollout workers."""
-
-    def __init__(self, config, runtime: Runtime, faults: FaultCounts, plan):
-        """`plan(step)`: the samples of `step` (algorithm/batch.py)."""
-        self.config, self.runtime, self.plan = config, runtime, plan
-        self.retry = Retry(config.cluster, faults)
-        self.refiner_ids = list(config.experts.active_refiners())
-        self.reward_pools = spawn_pools(config, runtime)
-        self.workers: list = []  # the weight-sync actor has no one to deliver to
-        self.in_flight: dict[int, Rollout] = {}  # always empty: a step is rolled out when it starts
-        get([actor.ready.remote() for actors in self.reward_pools.values() for actor in actors])
+class ColocatedRollouts(Rollouts):
+    """The driver's rollouts under `cluster.layout=colocated`: made of the experts' ranks (through
+    the expert group) instead of rollout workers. The weight-sync actor has no one to deliver to,
+    and nothing is ever in flight: a step is rolled out when it starts."""
 
     def collect(self, step: int, experts) -> Rollout:
         """`step`'s rollout, made now by the experts' ranks with the versions they hold."""
@@ -138,6 +127,6 @@ class ColocatedRollouts:
         """No rollout is in flight between steps: a checkpoint keeps no older weights."""
         return {}
 
-    def actors(self) -> list:
-        return [a for actors in self.reward_pools.values() for a in actors]
-
+    def evaluate(self) -> dict:
+        raise NotImplementedError("evaluation during training needs rollout workers (cluster.layout=separate); the "
+                                  "config refuses evaluation.every with cluster.layout=colocated")

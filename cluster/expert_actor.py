@@ -1,7 +1,8 @@
 """`ExpertActor`: an expert (experts/expert.py) as a Ray actor, or one rank of it.
 
 The shell adds what only an actor has: the device Ray gave it, the node it runs on, its place in
-the broadcast group (`cluster.sync=collective`) and, for an expert of several ranks, the leader's
+the broadcast group (`cluster.sync=collective`), its rollouts under `cluster.layout=colocated`
+(cluster/colocated_rank.py) and, for an expert of several ranks, the leader's
 rendezvous of their process group (cluster/expert_gang.py). In a Ray actor its weights leave as
 views, which Ray copies into the object store once as the method returns; in-process (inline)
 they are copied, or a later update would change a snapshot already taken.
@@ -13,9 +14,8 @@ import torch
 import torch.distributed as dist
 
 from cluster.collective import BroadcastMember
+from cluster.colocated_rank import ColocatedRank
 from cluster.recovery import in_ray_actor, this_node
-from cluster.reward_pool import pooled_scorers
-from cluster.runtime import Members
 from cluster.startup import reports_start
 from experts.devices import actor_device
 from experts.expert import Expert, StaleExpert
@@ -23,7 +23,7 @@ from experts.records import ShardFiles
 from experts.weights import synced_state, travel_form
 
 
-class ExpertActor(Expert, BroadcastMember):
+class ExpertActor(ColocatedRank, Expert, BroadcastMember):
     @reports_start
     def __init__(self, config, expert_id: str):
         torch.set_num_threads(1)
@@ -52,14 +52,6 @@ class ExpertActor(Expert, BroadcastMember):
         if version != self.version:
             raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to send version {version}")
         self.broadcast_group.send(self.expert_id, travel_form(synced_state(self.model)))
-
-    def roll_out(self, step: int, version: int, samples: list, refinements: list[dict], *, versions: dict[str, int],
-                 members: Members | None = None):
-        """`Expert.roll_out` (`cluster.layout=colocated`), its terms that reward actors score asked
-        of them (found among the run's `members`), each rank starting at its own actor of a pool."""
-        scorers = None if self.pipeline else pooled_scorers(self.config, members, self.gang.rank if self.gang else 0,
-                                                              f"expert/{self.expert_id}")
-        return Expert.roll_out(self, step, version, samples, refinements, versions=versions, scorers=scorers)
 
     def node(self) -> str | None:
         """The Ray node this expert runs on now (it may move when Ray restarts it)."""

@@ -28,7 +28,7 @@ def rank_name(expert_id: str, rank: int) -> str:
 class ExpertGang:
     def __init__(self, config, runtime: Runtime, expert_id: str, cls):
         spec = config.expert(expert_id)
-        ranks = spec.parallel.ranks if config.cluster.mode == "ray" else 1
+        ranks = config.ranks(expert_id)
         self.expert_id, self.config = expert_id, config
         self.ranks = [runtime.spawn_member(cls, config, expert_id, name=rank_name(expert_id, r),
                                            resources=spec.resources) for r in range(ranks)]

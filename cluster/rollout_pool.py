@@ -10,65 +10,31 @@ its share again: a rollout is a pure function of step and weights.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 
-from cluster.recovery import FaultCounts, NotSynced, Retry, settle
-from cluster.reward_pool import spawn_pools
+from cluster.recovery import FaultCounts, NotSynced, settle
 from cluster.rollout_worker import RolloutWorker
+from cluster.rollouts import Rollout, Rollouts
 from cluster.runtime import Runtime, get
 from experts.pipeline import RolloutMeta, RolloutOutputs
 from experts.records import Release
 from experts.weights import fingerprint
 
 
-@dataclass
-class Rollout:
-    """One step's rollout: its samples, each worker's share, each share's outputs (ObjectRefs), the
-    weights every worker was given for it, and, once collected, the metadata of all shares."""
-    samples: list
-    shares: list[list]
-    outputs: list[RolloutOutputs]
-    weights: dict[str, Release]
-    meta: RolloutMeta | None = None
-    tokens: dict[str, list] = field(default_factory=dict)  # colocated: {refiner: its ranks' token batches}
-    refinements: list[dict] | None = None  # colocated: per sample {refiner: Refinement}, made before generating
-    refined: np.ndarray = field(init=False)
-    groups: np.ndarray = field(init=False)
+class RolloutPool(Rollouts):
+    """The separate layout's rollouts: `cluster.rollout_workers` workers, each holding a copy of
+    every expert's weights that the weight-sync actor keeps at the versions published."""
 
-    def __post_init__(self):
-        self.refined = np.array([s.refine for s in self.samples])
-        self.groups = np.array([s.group for s in self.samples])
-
-    def outputs_for(self, expert_id: str) -> list[RolloutOutputs]:
-        """The shares `expert_id`'s update reads: the workers' outputs, or under `cluster.layout=
-        colocated` a refiner's token batches from its own ranks."""
-        if expert_id in self.tokens:
-            return [RolloutOutputs(None, None, {expert_id: t}) for t in self.tokens[expert_id]]
-        return self.outputs
-
-    @property
-    def versions(self) -> dict[str, int]:
-        """The version of every expert this rollout is made with (its workers are told so)."""
-        return {e: w.version for e, w in self.weights.items()}
-
-
-class RolloutPool:
     def __init__(self, config, runtime: Runtime, faults: FaultCounts, plan):
-        """`plan(step)`: the samples of `step` (algorithm/batch.py)."""
-        self.config, self.runtime, self.plan = config, runtime, plan
-        self.retry = Retry(config.cluster, faults)
-        self.refiner_ids = list(config.experts.active_refiners())
-        self.reward_pools = spawn_pools(config, runtime)
-        self.workers = [runtime.spawn_member(RolloutWorker, config, j, runtime.members, name=f"rollout/{j}",
-                                             resources=config.cluster.rollout_resources)
-                        for j in range(config.cluster.rollout_workers)]
-        # a reward actor that cannot start (its model cannot be loaded) stops the run's start, as a worker does
-        get([actor.ready.remote() for actors in self.reward_pools.values() for actor in actors])
-        self.in_flight: dict[int, Rollout] = {}  # submitted, not yet collected, at most max_staleness ahead
+        super().__init__(config, runtime, faults, plan)
         self.reloaded = False  # a worker was given older weights to redo a rollout: publish all after the step
+
+    def spawn_workers(self) -> list:
+        return [self.runtime.spawn_member(RolloutWorker, self.config, j, self.runtime.members, name=f"rollout/{j}",
+                                          resources=self.config.cluster.rollout_resources)
+                for j in range(self.config.cluster.rollout_workers)]
 
     def submit(self, step: int, experts) -> None:
         """Every worker's share of `step`'s samples, made with the weights `experts` published so far."""
@@ -157,6 +123,3 @@ class RolloutPool:
     def evaluate(self) -> dict:
         """The task's evaluation report, made by the first worker with the weights it serves now."""
         return get(self.workers[0].evaluation.remote())
-
-    def actors(self) -> list:
-        return [*self.workers, *(a for actors in self.reward_pools.values() for a in actors)]

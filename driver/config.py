@@ -705,6 +705,10 @@ class Config(Strict):
     def expert(self, expert_id: str) -> RefinerConfig | GeneratorConfig:
         return self.experts.sections()[expert_id]
 
+    def ranks(self, expert_id: str) -> int:
+        """The processes expert `expert_id` runs on: its `parallel.ranks` under Ray, one inline."""
+        return self.expert(expert_id).parallel.ranks if self.cluster.mode == "ray" else 1
+
     def text_len(self) -> int:
         """Longest text the tiny text encoder reads: <bos> prompt, then <sep> and each refiner's
         tokens, cut at its max_sequence_length (tasks.shapes.composed_ids)."""

@@ -20,12 +20,11 @@ import ray
 from algorithm.batch import step_samples
 from algorithm.credit import advantages, total_reward
 from algorithm.staleness import lags, within
-from cluster.colocated import ColocatedRollouts
 from cluster.expert_actor import ExpertActor
 from cluster.expert_group import ExpertGroup
+from cluster.layouts import LAYOUTS
 from cluster.placement import Placement
 from cluster.recovery import FaultCounts, here
-from cluster.rollout_pool import RolloutPool
 from cluster.runtime import Runtime, get
 from cluster.startup import reports_start
 from driver import checkpoint, evaluate, metrics
@@ -64,8 +63,7 @@ class DriverActor:
         self.start_step, states = checkpoint.load(Path(resume), config.experts.ids()) if resume else (0, {})
         runtime = Runtime(config.cluster.mode, config.trainer.run_name, config.cluster.max_restarts, placement)
         self.placement, self.faults = placement, FaultCounts()
-        pool = ColocatedRollouts if config.cluster.layout == "colocated" else RolloutPool
-        self.rollouts = pool(config, runtime, self.faults, self.samples)
+        self.rollouts = LAYOUTS[config.cluster.layout](config, runtime, self.faults, self.samples)
         self.experts = ExpertGroup(config, runtime, self.faults, self.rollouts.workers, states=states,
                                    expert_cls=expert_cls)
         if resume:

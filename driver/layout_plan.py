@@ -188,21 +188,18 @@ def estimate(config: Config, costs: PhaseCosts, target: Target) -> LayoutEstimat
     """`config`'s layout (as it is set) on `target`: memory per device from the plan, phases from `costs`."""
     n, n_refined = step_samples(config), refined_samples(config)
 
-    def ranks(e: str) -> int:
-        return config.expert(e).parallel.ranks if config.cluster.mode == "ray" else 1
-
     def learns(e: str) -> int:
         return n if e == "generator" else n_refined
-    update = max((cost * math.ceil(learns(e) / ranks(e)) for e, cost in costs.update.items()), default=0.0)
+    update = max((cost * math.ceil(learns(e) / config.ranks(e)) for e, cost in costs.update.items()), default=0.0)
     if config.cluster.layout == "colocated":
-        refine = max((cost * math.ceil(n_refined / ranks(e)) for e, cost in costs.refine.items()), default=0.0)
-        rollout = refine + costs.generate * math.ceil(n / ranks("generator"))
+        refine = max((cost * math.ceil(n_refined / config.ranks(e)) for e, cost in costs.refine.items()), default=0.0)
+        rollout = refine + costs.generate * math.ceil(n / config.ranks("generator"))
     else:
         w = config.cluster.rollout_workers
         rollout = sum(costs.refine.values()) * math.ceil(n_refined / w) + costs.generate * math.ceil(n / w)
     plan = plan_for(config, target)
     held = {name: a.total for name, a in plan.actors.items() if name.startswith(("expert/", "rollout/"))}
-    shape = f"the generator on {ranks('generator')} rank(s)" + (
+    shape = f"the generator on {config.ranks('generator')} rank(s)" + (
         f" + {config.cluster.rollout_workers} rollout worker(s)" if config.cluster.layout == "separate" else "")
     return LayoutEstimate(config.cluster.layout, shape, len(held), held, rollout, update)
 

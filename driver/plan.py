@@ -426,7 +426,7 @@ def colocated_rank(config: Config, a: ActorPlan) -> ActorPlan:
     update's activations, and the parts `cluster.offload` names are in host memory meanwhile, so its
     peak is the larger phase's: the update's bytes, plus what the rollout needs beyond them."""
     e = expert_of(a.name)
-    ranks = config.expert(e).parallel.ranks if config.cluster.mode == "ray" else 1
+    ranks = config.ranks(e)
     samples = step_samples(config) if e == "generator" else refined_samples(config)
     share = math.ceil(samples / ranks)
     params, parts, working = rollout_parts(config, share, {e})
@@ -456,8 +456,7 @@ def actors_of(config: Config) -> dict[str, ActorPlan]:
     out = []
     for eid in config.experts.ids():
         spec = config.expert(eid)
-        ranks = spec.parallel.ranks if config.cluster.mode == "ray" else 1
-        for r in range(ranks):
+        for r in range(config.ranks(eid)):
             rank = generator_expert(config, eid, r) if isinstance(spec, GeneratorConfig) \
                 else refiner_expert(config, eid, r)
             out.append(colocated_rank(config, rank) if config.cluster.layout == "colocated" else rank)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -21,9 +21,7 @@ import torch
 
 from experts import parallel, precision, state_file
 from experts.kinds import expert_kind
-from experts.offload import on_host
 from experts.parallel import Gang, GangSpec
-from experts.pipeline import RolloutOutputs, RolloutPipeline, refine_samples
 from experts.records import ExpertInfo, OptimizerShard, ShardFiles, Snapshot
 from experts.weights import (arrays_of, fingerprint, is_lora, load, model_tensors, optimizer_arrays, optimizer_tensors,
                              reference_of, synced_state)
@@ -46,7 +44,6 @@ class Expert:
         self.kind = expert_kind(config, expert_id)
         self.spec = self.kind.spec
         self.gang: Gang | None = None
-        self.pipeline: RolloutPipeline | None = None  # the generator's rollouts under cluster.layout=colocated
         self.build(*self.fresh(device))
         self.version = 0
         self.last_step, self.last_stats = -1, {}
@@ -156,49 +153,6 @@ class Expert:
             files = state_file.write_shards(self.optimizer, None if into is None else Path(into),
                                             self.config.cluster.temp_dir)
             return ShardFiles(files, self.optimizer.state_dict()["param_groups"])
-
-    def refine(self, step: int, version: int, samples: list) -> tuple[list, dict]:
-        """A refiner's refinement of its share of a step's refined samples, with the weights it
-        trains (`cluster.layout=colocated`): (per sample its Refinement, its token batch, which
-        its update reads). From `version` only, as `update`."""
-        self.holds(version)
-        with self.rolling_out():
-            return refine_samples(self.model, self.expert_id, self.config.trainer.seed, step, samples=samples,
-                                  device=self.device)
-
-    def roll_out(self, step: int, version: int, samples: list, refinements: list[dict], *, versions: dict[str, int],
-                 scorers: dict | None = None) -> RolloutOutputs:
-        """The generator's share of a step's rollout with the weights it trains (`cluster.layout=
-        colocated`): the rollout pipeline (experts/pipeline.py) around this expert's own model, the
-        samples' `refinements` made by the refiners' ranks, each sample marked with `versions`;
-        `scorers` as the pipeline takes them (terms scored by reward actors). From `version` only."""
-        self.holds(version)
-        if self.pipeline is None:
-            self.pipeline = RolloutPipeline(self.config, scorers, self.device, served={})
-        self.pipeline.models[self.expert_id] = self.model  # lent for this rollout (fsdp builds it anew per gang)
-        self.pipeline.versions.update(versions)
-        try:
-            with self.rolling_out():
-                return self.pipeline.run(step, samples, refinements)
-        finally:
-            del self.pipeline.models[self.expert_id]
-
-    def holds(self, version: int) -> None:
-        if version != self.version:
-            raise StaleExpert(f"{self.expert_id} is at version {self.version}, asked to roll out with {version}")
-
-    @contextmanager
-    def rolling_out(self):
-        """The model as a rollout worker's inference copy computes: in eval mode, without a graph,
-        in its compute dtype, whole under fsdp (`parallel.gathered_for_rollout`: its ranks enter
-        together); the parts `cluster.offload` names in host memory meanwhile."""
-        whole = parallel.gathered_for_rollout(self.model, self.spec.parallel.reshard_after_forward) \
-            if self.sharded else nullcontext()
-        with torch.no_grad(), on_host(self.optimizer, self.reference, self.config.cluster.offload), \
-                self.among_peers("a rollout"), whole, \
-                precision.computed_in(self.model, {} if self.sharded else self.computed):
-            self.model.eval()
-            yield
 
     def update(self, step: int, version: int, advantages: np.ndarray, *shards: dict) -> dict:
         """One optimizer step on this step's samples, from `version` (the one the driver published);

@@ -15,7 +15,7 @@ import torch
 from common.config import SettingError
 from driver import cli
 from driver.config import resolve_config
-from experts.offload import on_host
+from cluster.offload import on_host
 
 from tests.conftest import assert_same_training, make_config, run_killing, run_training
 
