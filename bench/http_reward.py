@@ -32,8 +32,8 @@ def main() -> int:
     args = parser.parse_args()
     import torch
     torch.set_num_threads(1)
-    from driver.score import term_config
-    from driver.serve_reward import server_for
+    from driver.commands.score import term_config
+    from driver.commands.serve_reward import server_for
     from tasks.base import TextPrompt
     from tasks.rewards import resolve
     from tasks.rewards.http import HttpOptions, HttpReward, request_body

@@ -9,7 +9,7 @@ The same samples per step (generator-only Flow-GRPO, 16 samples of 12 steps, a t
 long), each process one thread. Measured: the synchronous step time (`time/step_s`, median over
 the steps after two warm-ups), its rollout and update phases, and each model process's peak
 resident memory, each layout run `--repeats` times in turn and its fastest run shown; beside each,
-the planner's estimate for the same config (driver/layout_plan.py: per-sample costs measured
+the planner's estimate for the same config (driver/commands/layout_plan.py: per-sample costs measured
 in-process on this CPU, memory from the plan). Bar: colocated <= 0.6x separate.
 Writes bench/results/layouts.md.
 Usage: python bench/layouts.py [--steps 8] [--repeats 2] [--out bench/results/layouts.md]
@@ -32,7 +32,7 @@ import ray  # noqa: E402
 from cluster.runtime import get  # noqa: E402
 from driver.preflight import load_config  # noqa: E402
 from driver.launch import start_driver, stop_driver  # noqa: E402
-from driver.layout_plan import compare, measured_costs  # noqa: E402
+from driver.commands.layout_plan import compare, measured_costs  # noqa: E402
 from driver.plan import Target  # noqa: E402
 
 MODEL = ["experts.generator_only=true", "experts.generator.model.d_model=256", "experts.generator.model.n_layers=4",
@@ -133,7 +133,7 @@ def main() -> int:
              "Generator-only Flow-GRPO: tiny DiT width 256, 4 layers, 16 samples x 12 steps, SDE and training on "
              f"steps 0-1, kl_beta 0.05; {args.steps} steps, medians after 2 warm-ups; each process one thread, gloo. "
              "separate: 1 expert rank + 1 rollout worker; colocated: 2 ddp ranks of the generator, no worker. "
-             "Planner: driver/layout_plan.py with the per-sample costs it measured in-process before the runs "
+             "Planner: driver/commands/layout_plan.py with the per-sample costs it measured in-process before the runs "
              f"(rollout {costs.generate * 1e3:.1f} ms, update {costs.update['generator'] * 1e3:.1f} ms a sample).", "",
              "How much of two cores there was to have (with less than two free, the colocated ranks cannot overlap "
              "and the ratio says so): two one-thread processes computing at once took "

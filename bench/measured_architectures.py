@@ -32,7 +32,7 @@ def plan_preset(name: str) -> None:
     """The measurements `jointrl plan --config name` asks for (a plan that does not fit still asks)."""
     from common.config import SettingError
     from driver.config import resolve_config
-    from driver.layout_plan import compare
+    from driver.commands.layout_plan import compare
     from driver.plan import config_target, plan_for
     config = resolve_config(name)
     target = config_target(config)

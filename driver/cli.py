@@ -90,14 +90,14 @@ def parse_args(argv):
                                                          "one placeholder per actor, report the GPU ids Ray gives each "
                                                          "beside the plan's, then release everything")
     x = sub.add_parser("export", help="a run's trained models as diffusers, transformers and PEFT load them, with a "
-                                      "model card (driver/export.py)")
+                                      "model card (driver/commands/export.py)")
     x.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its latest checkpoint, or --step's)")
     x.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder to write into")
     x.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the latest)")
     x.add_argument("--merge-lora", action="store_true", help="merge each LoRA adapter into its base and write the "
                                                              "whole model (default: the adapter alone)")
     sv = sub.add_parser("serve-reward", help="serve one reward term over HTTP, for runs whose term is fn: http "
-                                             "(driver/serve_reward.py; the protocol: tasks/rewards/http.py)")
+                                             "(driver/commands/serve_reward.py; the protocol: tasks/rewards/http.py)")
     sv.add_argument("--term", required=True, metavar="NAME", help="a reward term of the config, or a built-in with "
                                                                   "its default options")
     sv.add_argument("--host", default="127.0.0.1", help="the address to bind (default the loopback; any other "
@@ -295,7 +295,7 @@ def follow_on_ray(driver, interrupts, progress: Progress) -> dict:
 
 
 def evaluate(args) -> int:
-    from driver.evaluate import evaluate_base, evaluate_run, table
+    from driver.commands.evaluate import evaluate_base, evaluate_run, table
     overrides = [*args.overrides, *(["evaluation.refine=false"] if args.no_refine else [])]
     with tqdm(desc="jointrl eval", unit="image", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         if args.run_dir:
@@ -311,7 +311,7 @@ def evaluate(args) -> int:
 
 
 def run_sample(args) -> int:
-    from driver.sample import sample_run
+    from driver.commands.sample import sample_run
     if args.n < 1:
         raise SettingError(f"-n {args.n}: draw at least one image")
     run = Path(args.run_dir)
@@ -325,7 +325,7 @@ def run_sample(args) -> int:
 
 
 def run_report(args) -> int:
-    from driver.report import report
+    from driver.commands.report import report
     run = Path(args.run_dir)
     written, missing = report(run, lambda: run_config(run, "report", args.overrides, layer=args.config))
     print(f"jointrl: report of {args.run_dir}\n" + "\n".join(f"  {p}" for p in written)
@@ -335,8 +335,8 @@ def run_report(args) -> int:
 
 def run_pretrain(args) -> int:
     from driver.bases import base_dir
-    from driver.evaluate import evaluate_base, table
-    from driver.pretrain import pretrain_all, pretrain_refiner
+    from driver.commands.evaluate import evaluate_base, table
+    from driver.commands.pretrain import pretrain_all, pretrain_refiner
     config = load_config(args.config, ["experts.base=null", *args.overrides])  # it makes the base
     if args.refiners:
         for eid in config.experts.active_refiners():
@@ -438,7 +438,7 @@ def ray_gone_line(gone, interrupts, run_dir: Path) -> str:
 
 def report_lines(run_dir: Path, config: Config) -> str:
     """The run's report written, and the two pictures to open first: the rewards and the samples."""
-    from driver.report import report
+    from driver.commands.report import report
     written, missing = report(run_dir, lambda: config)
     first = [p for p in written if p.name in ("rewards.png", "samples.png", "samples.gif")]
     return (f"jointrl: report in {run_dir / 'report'} ({len(written)} pictures); open first:\n"
@@ -488,7 +488,7 @@ def run_download(args) -> int:
 def run_plan(args) -> int:
     """`jointrl plan`: the plan, as a report or JSON; with --place, the placement Ray gives it."""
     from driver.config import resolve_config
-    from driver.layout_plan import compare, compare_json, compare_report
+    from driver.commands.layout_plan import compare, compare_json, compare_report
     from driver.plan import PlanError, plan_for, report, target_for
     from experts.measurements import version_notes
     config = resolve_config(args.config, args.overrides)
@@ -524,7 +524,7 @@ def run_plan(args) -> int:
 
 def run_export(args) -> int:
     """`jointrl export`: what it wrote, a line each."""
-    from driver.export import export
+    from driver.commands.export import export
     run = Path(args.run_dir)
     config = run_config(run, "RUN_DIR", args.overrides, layer=args.config)
     for line in export(run, Path(args.out), step=args.step, merge_lora=args.merge_lora, config=config):
@@ -533,7 +533,7 @@ def run_export(args) -> int:
 
 
 def run_serve_reward(args) -> int:
-    from driver.serve_reward import run_serve_reward as serve
+    from driver.commands.serve_reward import run_serve_reward as serve
     return serve(args)
 
 
@@ -541,13 +541,13 @@ def run_config_docs(args) -> int:
     """`jointrl config show|keys`: the schema's documentation; show skips the preflight checks, so a
     config that names models or files absent here can still be read."""
     from driver.config import resolve_config
-    from driver.config_docs import keys, show
+    from driver.commands.config_docs import keys, show
     print(keys() if args.action == "keys" else show(resolve_config(args.config, args.overrides)))
     return 0
 
 
 def run_score(args) -> int:
-    from driver.score import run_score as score
+    from driver.commands.score import run_score as score
     return score(args)
 
 

@@ -27,7 +27,7 @@ from cluster.placement import Placement
 from cluster.recovery import FaultCounts, here
 from cluster.runtime import Runtime, get
 from cluster.startup import reports_start
-from driver import checkpoint, evaluate, metrics
+from driver import checkpoint, metrics
 from driver.checkpoint import checkpoint_exists, checkpoint_path
 from driver.metrics import MetricsLog, marked_timer
 from driver.trackers import Trackers
@@ -140,7 +140,7 @@ class DriverActor:
                 row = self.train_step(step)
                 if self.evaluation_due(step):
                     with marked_timer("time/eval_s", row):
-                        row.update(evaluate.metrics_row(self.rollouts.evaluate()))
+                        row.update(metrics.eval_metrics(self.rollouts.evaluate()))
                 self.metrics.append(row)
                 self.trackers.log(row)
                 if on_row:

@@ -153,6 +153,12 @@ class MetricsLog:
             f.write(json.dumps(row) + "\n")
 
 
+def eval_metrics(report: dict) -> dict:
+    """eval/<set>/<mode>/<measure>: each measure's overall, for the metrics log and trackers."""
+    return {f"eval/{name}/{mode}/{measure}": s["overall"]
+            for name, by_mode in report.items() for mode, found in by_mode.items() for measure, s in found.items()}
+
+
 def parse(line: str) -> dict | None:
     """One metrics row; None for a line cut short by a killed process (always a later step)."""
     try:

@@ -199,7 +199,7 @@ def test_the_plan_estimates_each_layouts_step_from_its_phases_and_names_the_fast
     """With given per-sample costs the estimate is the module's arithmetic, both layouts on the same
     4 devices: 8 samples, 6 refined; separate: the generator on 2 ranks and one worker, colocated:
     the generator on 3 ranks. Then a tiny build's costs measured here, through the CLI."""
-    from driver.layout_plan import PhaseCosts, compare
+    from driver.commands.layout_plan import PhaseCosts, compare
     from driver.plan import Target
     here = Target(1, 0, 0.0, 0.0, "this machine")
     config = resolve_config("shapes-tiny", ["experts.n_refiners=1", "experts.generator.parallel.ranks=2"])
@@ -229,7 +229,7 @@ def test_a_layout_the_config_refuses_is_never_recommended_and_the_comparison_say
     """Colocated would be faster (given costs) but the config refuses it (evaluation during training
     draws on a rollout worker, which colocated has none of): the plan recommends separate and
     gives the refusal, with the key to change."""
-    from driver.layout_plan import PhaseCosts, compare, compare_report
+    from driver.commands.layout_plan import PhaseCosts, compare, compare_report
     from driver.plan import Target
     here = Target(1, 0, 0.0, 0.0, "this machine")
     costs = PhaseCosts({"refiner_0": 1.0}, 2.0, {"generator": 3.0, "refiner_0": 1.0}, "given")

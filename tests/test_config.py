@@ -81,7 +81,7 @@ def test_eval_of_a_missing_or_empty_run_exits_2(tmp_path, capsys):
 
 def _sections(model, where="Config"):
     """(where, model) of every config section below `model`: nested sections, list items, model kinds."""
-    from driver.config_docs import models_of
+    from driver.commands.config_docs import models_of
     yield where, model
     for name, field in model.model_fields.items():
         for section in models_of(field.annotation):

@@ -9,7 +9,7 @@ import torch
 from common.hub import local_model
 from driver import cli
 from driver.preflight import run_config
-from driver.export import export_diffusers_generator, trained_model
+from driver.commands.export import export_diffusers_generator, trained_model
 from experts import state_file
 from experts.kinds import build_model
 from tests.conftest import trained_inline

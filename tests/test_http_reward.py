@@ -16,8 +16,8 @@ import pytest
 
 from common.config import SettingError
 from driver import cli
-from driver.score import term_config
-from driver.serve_reward import server_for
+from driver.commands.score import term_config
+from driver.commands.serve_reward import server_for
 from tasks.base import Refinement, TextPrompt
 from tasks.rewards.http import HttpOptions, HttpReward
 from tests.conftest import assert_same_training, read_metrics, trained_inline

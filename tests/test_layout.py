@@ -108,3 +108,14 @@ def test_no_module_names_another_packages_module_in_a_string_to_import_it():
                         offending.append(f"{path.relative_to(ROOT)}: {node.value!r}")
     assert seen > 5  # the reward library's built-ins
     assert not offending, offending
+
+
+def test_the_training_loop_imports_no_offline_command():
+    """driver/commands/ (plan's comparison, score, pretrain, eval, sample, report, export,
+    serve-reward, the config's documentation) is called by the CLI; no module of the loop imports it."""
+    edges = project_imports()
+    commands = {m for m in edges if m.startswith("driver.commands")}
+    assert len(commands) >= 9
+    loop = {m for m in edges if m.startswith("driver.") and m not in commands and m != "driver.cli"}
+    offending = sorted(f"{m}: {t}" for m in loop for t in edges[m] if t in commands)
+    assert not offending, offending

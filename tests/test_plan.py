@@ -42,7 +42,7 @@ def test_every_gpu_preset_fits_its_target_on_whole_gpus(preset):
     assert all(g.actors for g in plan.gpus)  # the layout uses every GPU of its target
     gpu_actors = sum(1 for a in plan.actors.values() if a.gpus)  # whole GPUs: shared only when actors outnumber them
     assert sum(len(g.actors) - 1 for g in plan.gpus) == max(0, gpu_actors - target.gpus)
-    from driver.layout_plan import compare
+    from driver.commands.layout_plan import compare
     layouts = compare(config, target)  # the preset runs the faster layout, unless it refuses the other
     assert layouts["faster"] == config.cluster.layout, {k: getattr(v, "step_s", v) for k, v in layouts.items()
                                                         if k in ("separate", "colocated")}

@@ -6,7 +6,7 @@ import torch
 
 import driver.cli as cli
 from driver.bases import base_dir
-from driver.pretrain import caption_batch, flow_matching_loss, pretrain, pretrain_all
+from driver.commands.pretrain import caption_batch, flow_matching_loss, pretrain, pretrain_all
 from experts import state_file
 from experts.frontend import build_text_encoder
 from experts.kinds import build_model

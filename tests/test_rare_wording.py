@@ -10,7 +10,7 @@ import torch
 
 import driver.cli as cli
 from driver.bases import base_dir, refiner_dir
-from driver.pretrain import caption_batch, refinement_batch
+from driver.commands.pretrain import caption_batch, refinement_batch
 from experts.frontend import ShapesFrontEnd
 from experts.kinds import build_model
 from tasks import build_task, refiner_vocabulary, text_vocabulary

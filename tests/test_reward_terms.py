@@ -153,7 +153,7 @@ def test_dotted_term_keys_change_a_term_and_keep_the_others_a_mapping_replaces_t
 
 
 def test_config_keys_list_every_builtins_options():
-    from driver.config_docs import keys
+    from driver.commands.config_docs import keys
     listed = keys()
     for key in ("reward.terms.<name>.fn", "reward.terms.<name>.weight", "reward.terms.<name>.detector",
                 "reward.terms.<name>.budget", "reward.terms.<name>.question", "reward.terms.<name>.unquoted"):

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from driver import cli
-from driver.score import chunks, natural_key, read_image, term_config
+from driver.commands.score import chunks, natural_key, read_image, term_config
 from tasks.base import from_uint8, to_uint8
 from tasks.prompt_data import load_prompts
 from tasks.rewards.term import build_scorer

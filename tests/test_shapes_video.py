@@ -151,7 +151,7 @@ def test_the_shipped_video_base_draws_the_asked_colours():
     """One ODE clip per held-out prompt of one moving object, unrefined: the base draws the colour
     the prompt asks (the detector's colour check, over every frame), far more than another prompt's
     (the base is rough: its motions are RL's to learn, see bench/results/learning-video.md)."""
-    from driver.evaluate import base_config
+    from driver.commands.evaluate import base_config
     from experts.pipeline import RolloutPipeline
     from tasks.evaluation import eval_prompts
     config = base_config(load_config("shapes-video", ["experts.base=null", "evaluation.per_category=8"]),

@@ -29,7 +29,7 @@ def test_the_shipped_base_is_its_manifests_files_made_for_the_preset_and_the_pre
 def test_the_shipped_base_draws_the_held_out_single_objects():
     """Strict accuracy (every clause right, GenEval's measure) on the held-out prompts of one object,
     one ODE sample each, without refinement."""
-    from driver.evaluate import base_config, evaluate
+    from driver.commands.evaluate import base_config, evaluate
     from experts.pipeline import RolloutPipeline
     from tasks.evaluation import eval_prompts
     config = base_config(load_config("shapes", ["experts.base=null"]), next(SHIPPED.glob("base-*")))

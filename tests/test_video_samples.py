@@ -96,7 +96,7 @@ def logging_config(tmp_path, *extra):
 def test_logged_clips_reach_the_sheet_tensorboard_wandb_and_the_report(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from driver.report import report
+    from driver.commands.report import report
     from driver.trackers import Trackers
     clips = to_uint8(solid_clips(3))
     trackers = Trackers(logging_config(tmp_path, "logging.wandb=true"), tmp_path)
@@ -120,7 +120,7 @@ def test_logged_clips_reach_the_sheet_tensorboard_wandb_and_the_report(tmp_path)
 
 
 def test_eval_writes_animated_grids_and_sheets_of_clips(tmp_path):
-    from driver.evaluate import write_samples
+    from driver.commands.evaluate import write_samples
     prompts = [TextPrompt(f"p{i}", {"tag": tag}) for i, tag in enumerate(["a", "a", "b"])]
     result = {"images": solid_clips(3), "refinements": [{}, {"refiner_0": "x"}, {}],
               "terms": {"image": np.array([0.1, 0.2, 0.3])}, "valid": np.array([True, False, True])}
@@ -134,7 +134,7 @@ def test_eval_writes_animated_grids_and_sheets_of_clips(tmp_path):
 
 def test_sample_writes_an_animated_grid_of_clips(tmp_path, monkeypatch):
     from driver import checkpoint
-    from driver.sample import sample_run
+    from driver.commands.sample import sample_run
 
     class Drawn:
         def draw(self, prompts, refine, tag, first=0):
@@ -154,7 +154,7 @@ def test_a_rollout_and_an_evaluation_of_clips_score_per_frame_and_write_animatio
     import torch
 
     from algorithm.batch import Sample
-    from driver.evaluate import write_samples
+    from driver.commands.evaluate import write_samples
     from driver.trackers import Trackers
     from experts.pipeline import RolloutPipeline
     from tasks.rewards.term import build_scorer

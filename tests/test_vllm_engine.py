@@ -267,7 +267,7 @@ def test_an_engine_without_a_kv_cache_size_is_planned_at_its_share_of_the_device
 def test_vllm_serves_an_exported_refiner_as_the_trainer_that_made_it(lms, tmp_path, one_thread):
     """`jointrl export`'s folder of a fully trained refiner, loaded by vLLM: its samples' log-probs
     are the trained model's (within the engine's gap), not the base's (an update moved them)."""
-    from driver.export import export_hf_refiner
+    from driver.commands.export import export_hf_refiner
     config = engine_config(lms["qwen2"])
     trainer = build_model(config, "refiner_0")
     prompts = prompts_of(trainer)

@@ -86,12 +86,6 @@ def size(config, pipeline) -> int:
     return sum(len(p) for p in eval_prompts(config, pipeline).values()) * len(modes(config))
 
 
-def metrics_row(report: dict) -> dict:
-    """eval/<set>/<mode>/<measure>: each measure's overall, for the metrics log and trackers."""
-    return {f"eval/{name}/{mode}/{measure}": s["overall"]
-            for name, by_mode in report.items() for mode, found in by_mode.items() for measure, s in found.items()}
-
-
 def table(report: dict) -> str:
     """The strict measures per tag (GenEval's table), then every measure's overall, one column per
     set and mode."""

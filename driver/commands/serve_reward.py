@@ -131,7 +131,7 @@ def server_for(config, name: str, term, *, host: str, port: int, max_request_mb:
 
 
 def run_serve_reward(args) -> int:
-    from driver.score import term_config
+    from driver.commands.score import term_config
     config, term = term_config(args.config, args.overrides, args.term)
     server = server_for(config, args.term, term, host=args.host, port=args.port,
                         max_request_mb=args.max_request_mb)
