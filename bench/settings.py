@@ -19,7 +19,11 @@ refinements in place of the prompt, 2 original samples of 8), so `task.compose=r
 in every setting; promptrl_counterfactual, the best joint method of bench/results/learning.md
 (it appends the refinements); and promptrl_rewrite, PromptRL's single rewriter: one LM whose
 supervised start restates the whole request in its usual words, read in place of the prompt
-(the three refiners of the others write detail segments too short to carry a request). Runs, their reuse and their measures are learning.py's: rollouts to
+(the three refiners of the others write detail segments too short to carry a request); and
+promptrl_rewrite_detail, that rewriter beside two detail refiners (`pretrain.rewrite_shares`), each
+paid by its counterfactual D_k, the generator reading the rewrite and the details in place of the
+prompt: the rewriter for the rare words, the detail refiners for the spread within a group. Runs,
+their reuse and their measures are learning.py's: rollouts to
 reach generator-only's final strict held-out accuracy (per seed), final strict accuracy on the
 held-out set (and on it said in rare words where the setting has them), the group diagnostics at
 the first step and over the last ten, and the refiners' lever on the frozen base.

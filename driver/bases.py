@@ -39,7 +39,7 @@ def base_shaping(config) -> dict:
     unset = {k for k in ("num_frames", "image_width") if getattr(config.task, k) is None}
     task = config.task.model_dump(exclude={"compose", "rare_wording", *unset})
     rare = {"rare_caption_share": config.pretrain.rare_caption_share} if config.task.rare_wording else {}
-    return {"format": FORMAT, "vocab": text_vocabulary(config.task), "task": task, **rare,
+    return {"format": FORMAT, "vocab": list(text_vocabulary(config.task).words), "task": task, **rare,
             "generator": config.experts.generator.model.model_dump(),
             "text_encoder": config.experts.text_encoder.model_dump(exclude={"init", "max_sequence_length"}),
             "text_len": config.experts.text_encoder.max_sequence_length,
@@ -56,7 +56,7 @@ def refiner_shaping(config, refiner_id: str) -> dict:
     not the refiner's id: two refiners of one shaping share one start."""
     refiner, share = config.expert(refiner_id), config.pretrain.rewrite_share_of(refiner_id)
     rewrite = {"rewrite_share": share} if share else {}
-    return {"format": FORMAT, "vocab": refiner_vocabulary(config.task), "model": refiner.model.model_dump(),
+    return {"format": FORMAT, "vocab": list(refiner_vocabulary(config.task).words), "model": refiner.model.model_dump(),
             "max_new_tokens": refiner.max_new_tokens,
             "pretrain": {**config.pretrain.model_dump(include={"refiner_steps", "refiner_lr", "batch_size", "seed",
                                                                  "degraded_share", "restate_share"}), **rewrite}}

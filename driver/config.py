@@ -711,7 +711,7 @@ class Config(Strict):
 
     def text_len(self) -> int:
         """Longest text the tiny text encoder reads: <bos> prompt, then <sep> and each refiner's
-        tokens, cut at its max_sequence_length (tasks.shapes.composed_ids)."""
+        tokens, cut at its max_sequence_length (tasks.base.Vocabulary.compose)."""
         composed = 1 + MAX_PROMPT_WORDS + sum(1 + r.max_new_tokens for r in self.experts.active_refiners().values())
         return min(composed, self.experts.text_encoder.max_sequence_length)
 

@@ -15,14 +15,13 @@ from experts.build import seeded_model
 from algorithm.sde import sigma_schedule
 from experts.text_encoder import CachedEncoder, TextEncoder
 from tasks import text_vocabulary
-from tasks.shapes import MAX_PROMPT_WORDS, composed_ids, known_ids
 
 
 def build_text_encoder(config, fresh: bool = False) -> TextEncoder:
     """The tiny DiT's frozen text encoder over the task's words: seeded, then at its `init` if
     given, unless `fresh`."""
-    te, words = config.experts.text_encoder, len(text_vocabulary(config.task))
-    return seeded_model(config, "text_encoder", lambda: TextEncoder(words, te.d_model, te.n_layers, te.n_heads,
+    te, vocab = config.experts.text_encoder, text_vocabulary(config.task)
+    return seeded_model(config, "text_encoder", lambda: TextEncoder(vocab, te.d_model, te.n_layers, te.n_heads,
                                                                     max_len=te.max_sequence_length),
                         None if fresh else te.init)
 
@@ -34,8 +33,7 @@ class ShapesFrontEnd:
                                      version=0)
         size, frames = config.task.image_size, config.task.num_frames
         self.latent_shape = (3, size, size) if frames is None else (3, frames, size, size)
-        vocab = text_vocabulary(config.task)
-        self.word_ids = {w: i for i, w in enumerate(vocab)}
+        self.vocab = text_vocabulary(config.task)
 
     @property
     def version(self) -> int:
@@ -44,14 +42,14 @@ class ShapesFrontEnd:
     def condition(self, prompts: list, refinements: list[dict], drop: str | None = None) -> dict[str, torch.Tensor]:
         """The encoder's features of <bos> prompt, then <sep> y_k for each refiner (except `drop`),
         the prompt's and each refinement's words in the encoder's vocabulary (it cannot read others),
-        cut at the encoder's `max_sequence_length` (tasks.shapes.composed_ids); under
+        cut at the encoder's `max_sequence_length` (tasks.base.Vocabulary.compose); under
         task.compose=replace the refinements alone, where any was written."""
-        order = self.config.experts.active_refiners()
-        seqs = [composed_ids(known_ids(p.text.split(), MAX_PROMPT_WORDS, self.word_ids),
-                             [known_ids(refs[e].words, self.config.expert(e).max_new_tokens, self.word_ids)
-                              for e in order if e in refs and e != drop],
-                             self.config.experts.text_encoder.max_sequence_length,
-                             replace=self.config.task.compose == "replace")
+        order, vocab = self.config.experts.active_refiners(), self.vocab
+        seqs = [vocab.compose(vocab.encode(p.text.split(), vocab.max_prompt_words),
+                              [vocab.encode(refs[e].words, self.config.expert(e).max_new_tokens)
+                               for e in order if e in refs and e != drop],
+                              self.config.experts.text_encoder.max_sequence_length,
+                              replace=self.config.task.compose == "replace")
                 for p, refs in zip(prompts, refinements)]
         text, text_pad = self.encoder(seqs)
         return {"text": text, "text_pad": text_pad}

@@ -121,9 +121,9 @@ class RefinerKind(ExpertKind):
             return HFRefiner(spec, derive_seed(self.config.trainer.seed, "init", self.expert_id), device)
         from experts.refiner_lm import TinyCausalLM
         from tasks import refiner_vocabulary
-        from tasks.shapes import MAX_PROMPT_WORDS
-        return TinyCausalLM(refiner_vocabulary(self.config.task), m.d_model, m.n_layers, m.n_heads,
-                            max_len=MAX_PROMPT_WORDS + 2 + spec.max_new_tokens,
+        vocab = refiner_vocabulary(self.config.task)
+        return TinyCausalLM(vocab, m.d_model, m.n_layers, m.n_heads,
+                            max_len=vocab.max_prompt_words + 2 + spec.max_new_tokens,
                             max_new_tokens=spec.max_new_tokens, temperature=spec.temperature)
 
     def build_engine(self, fresh: bool = False) -> torch.nn.Module:

@@ -12,38 +12,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from experts.layers import Trunk, causal_mask
-from tasks.base import Refinement
-from tasks.shapes import BOS, EOS, MAX_PROMPT_WORDS, PAD, SEP, decode_ids, known_ids
+from tasks.base import Refinement, Vocabulary
 
 
-def left_pad(seqs: list[list[int]]) -> torch.Tensor:
+def left_pad(seqs: list[list[int]], pad: int) -> torch.Tensor:
     n = max(len(s) for s in seqs)
-    return torch.tensor([[PAD] * (n - len(s)) + list(s) for s in seqs], dtype=torch.long)
+    return torch.tensor([[pad] * (n - len(s)) + list(s) for s in seqs], dtype=torch.long)
 
 
 class TinyCausalLM(Trunk):
-    """A word-level causal LM over `vocab` (its words in id order; the special tokens first)."""
+    """A word-level causal LM over the words of `vocab` (it never writes <pad>, <bos> or <sep>)."""
 
-    def __init__(self, vocab: list[str], d_model: int, n_layers: int, n_heads: int, *, max_len: int,
+    def __init__(self, vocab: Vocabulary, d_model: int, n_layers: int, n_heads: int, *, max_len: int,
                  max_new_tokens: int, temperature: float):
-        super().__init__(len(vocab), d_model, n_layers, n_heads, max_len=max_len)
-        self.vocab, self.word_ids = vocab, {w: i for i, w in enumerate(vocab)}
+        super().__init__(len(vocab.words), d_model, n_layers, n_heads, max_len=max_len)
+        self.vocab = vocab
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.head = nn.Linear(d_model, len(vocab))
-        banned = torch.zeros(len(vocab), dtype=torch.bool)
-        banned[[PAD, BOS, SEP]] = True
+        self.head = nn.Linear(d_model, len(vocab.words))
+        banned = torch.zeros(len(vocab.words), dtype=torch.bool)
+        banned[[vocab.pad, vocab.bos, vocab.sep]] = True
         self.register_buffer("banned", banned, persistent=False)
 
     def logprobs(self, seq: torch.Tensor, keep: int) -> torch.Tensor:
         """Next-token log-probs (B, keep, V) at the last `keep` positions of left-padded `seq`, at
         temperature; the head runs only there."""
-        pad = seq == PAD
+        pad = seq == self.vocab.pad
         pos = ((~pad).cumsum(1) - 1).clamp(min=0)
         logits = self.head(self.trunk(seq, pos, causal_mask(pad))[:, seq.shape[1] - keep:]) / self.temperature
         return F.log_softmax(logits.masked_fill(self.banned, float("-inf")), dim=-1)
 
     def context(self, prompts: list[list[int]]) -> torch.Tensor:
-        return left_pad([[BOS, *p, SEP] for p in prompts]).to(self.head.weight.device)
+        v = self.vocab
+        return left_pad([[v.bos, *p, v.sep] for p in prompts], v.pad).to(self.head.weight.device)
 
     @torch.no_grad()
     def sample(self, prompts: list[list[int]], uniforms: torch.Tensor):
@@ -60,25 +60,25 @@ class TinyCausalLM(Trunk):
             cdf = lp.exp().cumsum(-1)
             tok = torch.searchsorted(cdf, uniforms[:, j:j + 1] * cdf[:, -1:]).squeeze(1).clamp(max=lp.shape[-1] - 1)
             valid = ~done
-            tok = torch.where(valid, tok, torch.full_like(tok, PAD))
+            tok = torch.where(valid, tok, torch.full_like(tok, self.vocab.pad))
             tokens.append(tok)
             logps.append(torch.where(valid, lp.gather(1, tok[:, None]).squeeze(1), 0.0))
             mask.append(valid)
-            done = done | (tok == EOS)
+            done = done | (tok == self.vocab.eos)
             seq = torch.cat([seq, tok[:, None]], 1)
         return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(mask, 1)
 
     def prompt_ids(self, prompt) -> list[int]:
         """A prompt record's words as this model reads them (words outside its vocabulary are left out)."""
-        return known_ids(prompt.text.split(), MAX_PROMPT_WORDS, self.word_ids)
+        return self.vocab.encode(prompt.text.split(), self.vocab.max_prompt_words)
 
     def refinement(self, tokens: list[int], mask: list[bool]) -> Refinement:
         """The words of the tokens before the end, and whether the model ended them itself."""
-        return Refinement(" ".join(decode_ids((t for t in tokens if t not in (PAD, EOS)), self.vocab)), EOS in tokens)
+        return Refinement(" ".join(self.vocab.decode(tokens)), self.vocab.eos in tokens)
 
     def token_logprobs(self, prompts: list[list[int]], tokens: torch.Tensor, mask=None) -> torch.Tensor:
         """Log-probs (B, M) of the sampled `tokens` given their prompts, with gradients (after the
         end, PAD tokens mark what `mask` says, and score 0)."""
         seq = torch.cat([self.context(prompts), tokens[:, :-1]], 1)  # the last token predicts nothing scored
         lp = self.logprobs(seq, tokens.shape[1])
-        return torch.where(tokens == PAD, 0.0, lp.gather(2, tokens[:, :, None]).squeeze(2))
+        return torch.where(tokens == self.vocab.pad, 0.0, lp.gather(2, tokens[:, :, None]).squeeze(2))

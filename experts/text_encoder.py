@@ -12,16 +12,20 @@ from typing import Hashable
 import torch
 
 from experts.layers import Trunk, padding_mask
-from tasks.shapes import PAD
+from tasks.base import Vocabulary
 
 
 class TextEncoder(Trunk):
-    """Bidirectional features of right-padded token ids; its trunk (and so its state dict) is the
-    tiny LM's, without the head."""
+    """Bidirectional features of right-padded token ids of `vocab`; its trunk (and so its state
+    dict) is the tiny LM's, without the head."""
+
+    def __init__(self, vocab: Vocabulary, d_model: int, n_layers: int, n_heads: int, *, max_len: int):
+        super().__init__(len(vocab.words), d_model, n_layers, n_heads, max_len=max_len)
+        self.pad = vocab.pad
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device)[None]
-        return self.trunk(ids, positions, padding_mask(ids == PAD))
+        return self.trunk(ids, positions, padding_mask(ids == self.pad))
 
 
 class CacheStats:
@@ -123,7 +127,7 @@ class CachedEncoder:
         missing = [k for k, f in found.items() if f is None]
         if missing:
             n = max(len(k[1]) for k in missing)
-            ids = torch.tensor([list(k[1]) + [PAD] * (n - len(k[1])) for k in missing],
+            ids = torch.tensor([list(k[1]) + [self.encoder.pad] * (n - len(k[1])) for k in missing],
                                device=self.encoder.tok.weight.device)
             for k, f in zip(missing, self.encoder(ids)):
                 found[k] = f[: len(k[1])].clone()

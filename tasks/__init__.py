@@ -1,6 +1,8 @@
 """Tasks: where prompts, rewards and evaluation sets come from (`task.name`)."""
 from __future__ import annotations
 
+from tasks.base import Vocabulary
+
 SHAPES_TERMS = {"image": {"fn": "shapes_image", "weight": 1.0}, "fidelity": {"fn": "shapes_fidelity", "weight": 0.5},
                 "style": {"fn": "shapes_style", "weight": 0.5}, "format": {"fn": "shapes_format", "weight": 0.5}}
 VIDEO_TERMS = {"video": {"fn": "shapes_video", "weight": 1.0},
@@ -27,20 +29,19 @@ def default_terms(task_name: str) -> dict[str, dict]:
                      f"reward.terms={{geneval: {{fn: geneval, weight: 1.0}}}}")
 
 
-def text_vocabulary(task) -> list[str]:
+def text_vocabulary(task) -> Vocabulary:
     """The words the tiny text encoder reads for the task config `task`: the shapes
     world's, then under `shapes_video` its motion words, and with `task.rare_wording` the rare
     synonyms (after them: the shapes words keep their ids)."""
     if task.name == "shapes_video":
-        from tasks.shapes_video import VIDEO_VOCAB
-        return VIDEO_VOCAB
-    from tasks.shapes import RARE_VOCAB, VOCAB
-    return RARE_VOCAB if task.rare_wording else VOCAB
+        from tasks.shapes_video import VIDEO_VOCABULARY
+        return VIDEO_VOCABULARY
+    return refiner_vocabulary(task)
 
 
-def refiner_vocabulary(task) -> list[str]:
+def refiner_vocabulary(task) -> Vocabulary:
     """The words the tiny refiner LM reads and writes for the task config `task`: the shapes world's
     (under `shapes_video` too: a refinement adds detail, not motion), with the rare synonyms under
     `task.rare_wording`."""
-    from tasks.shapes import RARE_VOCAB, VOCAB
-    return RARE_VOCAB if task.rare_wording else VOCAB
+    from tasks.shapes import RARE_VOCABULARY, SHAPES_VOCABULARY
+    return RARE_VOCABULARY if task.rare_wording else SHAPES_VOCABULARY

@@ -7,6 +7,7 @@ is called).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping, Protocol
 
 import numpy as np
@@ -23,6 +24,47 @@ class Refinement:
     @property
     def words(self) -> tuple[str, ...]:
         return tuple(self.text.split())
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The words a word-level model (a tiny refiner LM, a tiny text encoder) reads and writes, in id
+    order, its four special tokens' ids among them, and the most words of a prompt it reads: what a
+    task hands such a model, which then knows no task."""
+    words: tuple[str, ...]
+    pad: int
+    bos: int
+    eos: int
+    sep: int
+    max_prompt_words: int
+
+    @cached_property
+    def ids(self) -> dict[str, int]:
+        return {w: i for i, w in enumerate(self.words)}
+
+    @property
+    def special(self) -> tuple[int, ...]:
+        return self.pad, self.bos, self.eos, self.sep
+
+    def encode(self, words, limit: int) -> list[int]:
+        """Ids of the first `limit` of `words` that are words of this vocabulary (a model of another
+        vocabulary may write words this one cannot read; they are left out)."""
+        return [self.ids[w] for w in words if w in self.ids and self.ids[w] not in self.special][:limit]
+
+    def decode(self, ids) -> list[str]:
+        """The words of `ids`, its special tokens left out."""
+        return [self.words[i] for i in ids if i not in self.special]
+
+    def compose(self, prompt: list[int], segments: list[list[int]], max_len: int | None,
+                replace: bool = False) -> tuple[int, ...]:
+        """The text a text encoder reads: <bos>, the prompt, then <sep> and each segment (a
+        refinement, in refiner order), cut to its first `max_len` tokens (None: whole), as a real
+        text encoder's tokenizer truncates at its maximum length: what does not fit is the last
+        segments' tail. `replace`: the non-empty segments alone, joined by <sep>, in place of the
+        prompt (where every segment is empty, what append reads: the prompt)."""
+        if replace and (written := [segment for segment in segments if segment]):
+            prompt, segments = written[0], written[1:]
+        return (self.bos, *prompt, *[t for segment in segments for t in (self.sep, *segment)])[:max_len]
 
 
 class PromptRecord(Protocol):

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tasks.base import Vocabulary
+
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<sep>"]
 PAD, BOS, EOS, SEP = range(4)
 
@@ -40,6 +42,8 @@ RARE_SYNONYMS = {"red": "crimson", "green": "emerald", "blue": "azure", "yellow"
 RARE_VOCAB: list[str] = VOCAB + list(RARE_SYNONYMS.values())  # the usual words keep their ids
 RARE_WORD_TO_ID = {w: i for i, w in enumerate(RARE_VOCAB)}
 MAX_PROMPT_WORDS = 16
+SHAPES_VOCABULARY = Vocabulary(tuple(VOCAB), PAD, BOS, EOS, SEP, MAX_PROMPT_WORDS)
+RARE_VOCABULARY = Vocabulary(tuple(RARE_VOCAB), PAD, BOS, EOS, SEP, MAX_PROMPT_WORDS)  # the usual words keep their ids
 CATEGORIES = ("single_object", "two_objects", "counting", "colors", "position", "color_attr")
 
 
@@ -57,28 +61,6 @@ def encode_in(words: list[str], word_to_id: dict[str, int], max_words: int, worl
     if unknown:
         raise ValueError(f"words outside the {world} vocabulary: {unknown}")
     return [word_to_id[w] for w in words]
-
-
-def decode_ids(ids, vocab: list[str] = VOCAB) -> list[str]:
-    return [vocab[i] for i in ids if i not in (PAD, BOS, EOS, SEP)]
-
-
-def known_ids(words, limit: int, word_ids: dict[str, int] = WORD_TO_ID) -> list[int]:
-    """Ids of the first `limit` of `words` that are in the vocabulary `word_ids` (a refiner of
-    another vocabulary may write words the shapes text encoder cannot read; they are left out)."""
-    return [word_ids[w] for w in words if w in word_ids and word_ids[w] not in (PAD, BOS, EOS, SEP)][:limit]
-
-
-def composed_ids(prompt: list[int], segments: list[list[int]], max_len: int | None,
-                 replace: bool = False) -> tuple[int, ...]:
-    """The text the shapes text encoder reads: <bos>, the prompt, then <sep> and each segment (a
-    refinement, in refiner order), cut to its first `max_len` tokens (None: whole), as a real text
-    encoder's tokenizer truncates at its maximum length: what does not fit is the last segments' tail.
-    `replace`: the non-empty segments alone, joined by <sep>, in place of the prompt (where every
-    segment is empty, what append reads: the prompt)."""
-    if replace and (written := [segment for segment in segments if segment]):
-        prompt, segments = written[0], written[1:]
-    return (BOS, *prompt, *[t for segment in segments for t in (SEP, *segment)])[:max_len]
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,17 @@ same to both worlds' text encoders).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from tasks.shapes import (DIM, PALETTE, SHAPE_AREA, SHAPES, VOCAB, ObjectClause, _mask, _noun, colour_map, detect,
-                          encode_in, held_out_set)
+from tasks.shapes import (DIM, PALETTE, SHAPE_AREA, SHAPES, SHAPES_VOCABULARY, VOCAB, ObjectClause, _mask, _noun,
+                          colour_map, detect, encode_in, held_out_set)
 
 MOTION_WORDS = ("moving", "up", "down", "growing", "shrinking", "apart", "together")
 VIDEO_VOCAB: list[str] = VOCAB + [w for w in MOTION_WORDS if w not in VOCAB]
 VIDEO_WORD_TO_ID = {w: i for i, w in enumerate(VIDEO_VOCAB)}
+VIDEO_VOCABULARY = replace(SHAPES_VOCABULARY, words=tuple(VIDEO_VOCAB))  # the image words keep their ids
 MAX_VIDEO_WORDS = 16
 
 DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0)}

@@ -11,15 +11,15 @@ import driver.cli as cli
 from experts.flow_family import FamilyFrontEnd
 from experts.frontend import ShapesFrontEnd
 from tasks.base import Refinement, TextPrompt
-from tasks.shapes import BOS, SEP, WORD_TO_ID, ObjectClause, Prompt, composed_ids
+from tasks.shapes import BOS, SEP, SHAPES_VOCABULARY, WORD_TO_ID, ObjectClause, Prompt
 from tests.conftest import make_config, run_training
 
 
 def test_replace_composes_the_written_segments_alone_and_the_prompt_where_none_was_written():
-    assert composed_ids([4, 5], [[6, 7], [], [8]], None, replace=True) == (BOS, 6, 7, SEP, 8)
-    assert composed_ids([4, 5], [[], []], None, replace=True) == composed_ids([4, 5], [[], []], None)  # as append
-    assert composed_ids([4, 5], [[6, 7], [], [8]], 4, replace=True) == (BOS, 6, 7, SEP)
-    assert composed_ids([4, 5], [[6, 7], [], [8]], None) == (BOS, 4, 5, SEP, 6, 7, SEP, SEP, 8)  # append: as before
+    assert SHAPES_VOCABULARY.compose([4, 5], [[6, 7], [], [8]], None, replace=True) == (BOS, 6, 7, SEP, 8)
+    assert SHAPES_VOCABULARY.compose([4, 5], [[], []], None, replace=True) == SHAPES_VOCABULARY.compose([4, 5], [[], []], None)  # as append
+    assert SHAPES_VOCABULARY.compose([4, 5], [[6, 7], [], [8]], 4, replace=True) == (BOS, 6, 7, SEP)
+    assert SHAPES_VOCABULARY.compose([4, 5], [[6, 7], [], [8]], None) == (BOS, 4, 5, SEP, 6, 7, SEP, SEP, 8)  # append: as before
 
 
 def test_under_replace_the_shapes_encoder_reads_the_refinements_in_place_of_the_prompt():

@@ -119,3 +119,15 @@ def test_the_training_loop_imports_no_offline_command():
     loop = {m for m in edges if m.startswith("driver.") and m not in commands and m != "driver.cli"}
     offending = sorted(f"{m}: {t}" for m in loop for t in edges[m] if t in commands)
     assert not offending, offending
+
+
+def test_the_models_know_no_task_world():
+    """experts/ reads the task through its base types (tasks/base.py: Refinement, Vocabulary …), the
+    vocabularies the task hands its word-level models (`tasks.text_vocabulary`,
+    `tasks.refiner_vocabulary`) and, in the rollout pipeline, the task and its reward terms; nothing
+    of the shapes world (its words, ids, lengths), but for the tiny HF LM built over the shapes words
+    (experts/tiny_hf.py, a test model)."""
+    allowed = {"tasks", "tasks.base", "tasks.reward_guard", "tasks.rewards.term"}
+    found = {f"{p.relative_to(ROOT)}: {m}" for p in sorted((ROOT / "experts").rglob("*.py"))
+             for m in imported_modules(p) if m.split(".")[0] == "tasks" and m not in allowed}
+    assert found == {"experts/tiny_hf.py: tasks.shapes"}

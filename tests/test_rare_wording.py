@@ -40,7 +40,7 @@ def test_a_rare_worded_prompt_says_every_clause_word_in_its_synonym_with_the_sam
 
 def test_off_by_default_every_vocabulary_prompt_and_base_is_as_before():
     config = make_config()
-    assert text_vocabulary(config.task) == refiner_vocabulary(config.task) == VOCAB
+    assert list(text_vocabulary(config.task).words) == list(refiner_vocabulary(config.task).words) == VOCAB
     assert base_dir(config).name == "base-8485d353bac7"  # the shipped base's hash: unchanged
     assert refiner_dir(config, "refiner_0").name == "refiner-f795d29c64c1"
     task = build_task(config)
@@ -69,7 +69,7 @@ def test_the_set_share_of_training_prompts_is_rare_worded_and_held_out_is_evalua
 
 def test_the_text_encoder_and_the_refiner_read_the_rare_words():
     config = make_config("task.rare_wording=0.5")
-    assert text_vocabulary(config.task) == refiner_vocabulary(config.task) == RARE_VOCAB
+    assert list(text_vocabulary(config.task).words) == list(refiner_vocabulary(config.task).words) == RARE_VOCAB
     prompt = rare_worded(Prompt.make("a red circle", "single_object", [ObjectClause("circle", "red")]))
     refiner = build_model(config, "refiner_0")
     assert refiner.prompt_ids(prompt) == list(prompt.ids)  # no rare word left out

@@ -113,10 +113,10 @@ def test_composed_texts_are_cut_at_the_text_encoders_length_as_documented():
     import torch
 
     from experts.frontend import ShapesFrontEnd
-    from tasks.shapes import BOS, SEP, WORD_TO_ID, composed_ids
+    from tasks.shapes import BOS, SEP, SHAPES_VOCABULARY, WORD_TO_ID
     from tests.conftest import make_config
-    assert composed_ids([4, 5], [[6, 7], [8, 9, 10]], 7) == (BOS, 4, 5, SEP, 6, 7, SEP)
-    assert composed_ids([4, 5], [[6, 7], [8, 9, 10]], None) == (BOS, 4, 5, SEP, 6, 7, SEP, 8, 9, 10)
+    assert SHAPES_VOCABULARY.compose([4, 5], [[6, 7], [8, 9, 10]], 7) == (BOS, 4, 5, SEP, 6, 7, SEP)
+    assert SHAPES_VOCABULARY.compose([4, 5], [[6, 7], [8, 9, 10]], None) == (BOS, 4, 5, SEP, 6, 7, SEP, 8, 9, 10)
     config = make_config("experts.n_refiners=5")
     length = config.experts.text_encoder.max_sequence_length
     assert length == 38 == make_config().text_len()  # the default three refiners are never cut
@@ -134,7 +134,7 @@ def test_composed_texts_are_cut_at_the_text_encoders_length_as_documented():
     # the short one (1 + 3 + 5 x 7 = 39): refiner_4's last word is the one cut
     ids = [WORD_TO_ID[w] for w in short_prompt.text.split()]
     segments = [[WORD_TO_ID[w] for w in refs[f"refiner_{i}"].words] for i in range(5)]
-    cut = composed_ids(ids, segments, length)
+    cut = SHAPES_VOCABULARY.compose(ids, segments, length)
     assert len(cut) == length and cut[-5:] == tuple(segments[4][:5])
     encoded = frontend.encoder.encoder(torch.tensor([cut]))
     assert torch.equal(full["text"][1], encoded[0])

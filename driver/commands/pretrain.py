@@ -26,7 +26,7 @@ from driver.checkpoint import atomic_dir
 from experts import state_file
 from experts.frontend import build_text_encoder
 from experts.kinds import build_model
-from tasks.shapes import (CATEGORIES, EOS, PAD, QUALITY_WORDS, STYLE_WORDS, WORD_TO_ID, Prompt, composed_ids,
+from tasks.shapes import (CATEGORIES, EOS, PAD, QUALITY_WORDS, SHAPES_VOCABULARY, STYLE_WORDS, WORD_TO_ID, Prompt,
                           make_prompt, paraphrase, rare_worded, render)
 from tasks.shapes_video import VIDEO_CATEGORIES, make_video_prompt, render_clip
 
@@ -89,7 +89,7 @@ def caption_batch(rng: np.random.Generator, n: int, size: int, *, degraded_share
                   frames: int | None = None, rare_share: float = 0.0):
     """`n` rendered (caption ids, image in [-1, 1]) pairs over every category and wording; a
     `degraded_share` of the images are degraded, and some captions carry details (`details`); each
-    caption is cut at `max_len` tokens as the runs' texts are (tasks.shapes.composed_ids). With
+    caption is cut at `max_len` tokens as the runs' texts are (tasks.base.Vocabulary.compose). With
     `frames`: shapes_video clips of that many frames, as the flow's states (3, F, H, W); a `rare_share`
     of the captions in rare synonyms."""
     ids, images = [], []
@@ -100,7 +100,7 @@ def caption_batch(rng: np.random.Generator, n: int, size: int, *, degraded_share
                       render_clip(p, rng, frames, size, degraded=degraded))
         extra = details(rng, p, degraded, max_segments, max_words=max_words,
                         restate_share=restate_share) if max_segments else []
-        ids.append(list(composed_ids(p.ids, extra, max_len)))
+        ids.append(list(SHAPES_VOCABULARY.compose(p.ids, extra, max_len)))  # the same special ids in every world
     images = torch.from_numpy(np.stack(images).astype(np.float32) / 127.5 - 1.0)
     width = max(map(len, ids))
     ids = torch.tensor([i + [PAD] * (width - len(i)) for i in ids])
