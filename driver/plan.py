@@ -407,6 +407,7 @@ def rollout_worker(config: Config, j: int) -> ActorPlan:
     share = math.ceil(step_samples(config) / workers)
     chunk = min(config.rollout.batch_size or share, share)
     params, parts, working = rollout_parts(config, share, {"generator", *config.experts.active_refiners()})
+    parts.update(delivered_ahead(config, parts))
     if working:
         phase = max(working, key=working.get)
         parts[f"working set of one chunk of {chunk} ({phase})"] = working[phase]
@@ -414,6 +415,28 @@ def rollout_worker(config: Config, j: int) -> ActorPlan:
               "fewer rollout workers (cluster.rollout_workers) if GPUs are short"]
     return ActorPlan(f"rollout/{j}", "rollout", wants_gpu(config.cluster.rollout_resources), params,
                      {k: int(v) for k, v in parts.items()}, advice)
+
+
+def delivered_ahead(config: Config, parts: dict) -> dict[str, int]:
+    """The versions a rollout worker holds beside the ones it serves: a version delivered stays
+    until the next rollout serves it, and the one served before it until then too
+    (cluster/rollout_worker.py `serve`, `use_versions`); under `cluster.max_staleness=k`, k older
+    ones that rollouts in flight name. Each is a trained expert's synced weights (its adapter under
+    LoRA) as the worker holds them; an engine refiner's wait in host memory, not on the device."""
+    ahead = 1 + config.cluster.max_staleness
+    out = {}
+    for eid, r in config.experts.active_refiners().items():
+        if r.train and r.engine != "vllm":
+            lora = r.model.kind == "hf_causal_lm" and r.model.lora
+            out[f"versions delivered ahead: {eid} (x{ahead})"] = ahead * (
+                lm_architecture(r.model).lora * 4 if lora else parts[f"weights: {eid}"])
+    g = config.experts.generator
+    trained = [e for e in ("generator", "generator_low") if e in config.experts.ids() and config.expert(e).train]
+    if trained:
+        lora = g.model.kind == "diffusers_flow" and g.model.lora
+        out[f"versions delivered ahead: {', '.join(trained)} (x{ahead})"] = ahead * (
+            task_generator(config, g.model).lora * 4 if lora else parts["weights: generator"])
+    return out
 
 
 OFFLOADED = {"optimizer": "optimizer (", "reference": "reference copy ("}  # cluster.offload -> its parts' names

@@ -273,3 +273,19 @@ def test_the_traced_flops_are_torchs_count_of_the_real_forward(which):
     # FLUX: one joint (7 + 36 tokens) attention per block; Wan: self (3 x 4 x 4 tokens) and cross (9) per block
     attentions = [(43, 43)] * 2 if which == 0 else [(48, 48), (48, 9)] * 2
     assert traced.attention == sum(4 * heads * q * k * width for q, k in attentions)
+
+
+def test_a_rollout_worker_is_planned_with_the_versions_delivered_ahead_of_its_rollout():
+    """A delivered version waits beside the one served until the next rollout serves it, and under
+    max_staleness=k so do k older ones: each trained expert's synced weights, 1 + k times (the
+    adapter alone under LoRA); a frozen expert's never change."""
+    from driver.plan import rollout_worker
+    one = rollout_worker(resolve_config("shapes", ["experts.refiner_1.train=false"]), 0).bytes
+    assert one["versions delivered ahead: refiner_0 (x1)"] == one["weights: refiner_0"] > 0
+    assert one["versions delivered ahead: generator (x1)"] == one["weights: generator"] > 0
+    assert not any(k.startswith("versions delivered ahead: refiner_1") for k in one)
+    three = rollout_worker(resolve_config("shapes", ["cluster.max_staleness=2"]), 0).bytes
+    assert three["versions delivered ahead: refiner_0 (x3)"] == 3 * one["weights: refiner_0"]
+    lora = rollout_worker(resolve_config("sd3", ["cluster.layout=separate", "cluster.rollout_workers=1"]), 0).bytes
+    adapter = lora["versions delivered ahead: generator (x1)"]
+    assert 0 < adapter < lora["weights: generator"] / 10
