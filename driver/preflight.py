@@ -395,11 +395,29 @@ def fits_cluster(config: Config) -> None:
     from driver.plan import cluster_target, plan_for, wants_gpu
     resources = ray.cluster_resources()
     if resources.get("GPU", 0) > 0 and any(wants_gpu(r) for r in gpu_asks(config)):
-        plan_for(config, cluster_target(config))
+        stores = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("Alive")]
+        if too_big := store_problem(plan_for(config, cluster_target(config)), max(stores, default=0)):
+            raise SettingError(invalid([too_big]))
         return
     have = resources.get("memory", 0) + resources.get("object_store_memory", 0)
     if have and (too_big := memory_problem(config, have, "the Ray cluster")):
         raise SettingError(invalid([too_big]))
+
+
+def store_problem(plan, have: float) -> str | None:
+    """Why the driver's node cannot keep every trained expert's latest snapshot in its object store
+    (the plan's `driver` actor: synced weights and AdamW moments, fp32) when the largest node's
+    store holds `have` bytes (0: unknown); None if it can. Ray would spill the rest to disk on
+    every step."""
+    need = plan.actors["driver"].total
+    if not have or need <= have:
+        return None
+    parts = ", ".join(f"{name} {b / 2**30:.1f} GiB" for name, b in plan.actors["driver"].bytes.items())
+    return (f"the driver's node keeps the trained experts' latest snapshots in its object store, "
+            f"{need / 2**30:.1f} GiB ({parts}), and the largest node's object store holds {have / 2**30:.1f} GiB: "
+            f"start that node's Ray with --object-store-memory={math.ceil(need * 1.05 / 1e9) * 10 ** 9} (bytes) or "
+            f"more, or "
+            f"train LoRA adapters (experts.<id>.model.lora), whose snapshots are the adapters alone")
 
 
 def load_config(source: str = "shapes", overrides: list[str] = ()) -> Config:

@@ -289,3 +289,19 @@ def test_a_rollout_worker_is_planned_with_the_versions_delivered_ahead_of_its_ro
     lora = rollout_worker(resolve_config("sd3", ["cluster.layout=separate", "cluster.rollout_workers=1"]), 0).bytes
     adapter = lora["versions delivered ahead: generator (x1)"]
     assert 0 < adapter < lora["weights: generator"] / 10
+
+
+def test_a_gpu_run_whose_snapshots_the_largest_object_store_cannot_hold_is_refused():
+    """The driver's node keeps every trained expert's latest snapshot in its object store (the
+    plan's `driver` actor): a cluster whose largest node's store is smaller is told by how much and
+    what would fit; a store large enough, or one Ray does not report, passes."""
+    from driver.plan import GB, Target
+    from driver.preflight import store_problem
+    plan = plan_for(resolve_config("flux2-klein"), Target(1, 8, 80.0, 4.0, "test"))
+    need = plan.actors["driver"].total
+    assert need > 30 * GB  # flux2-klein trains the whole 9 B transformer: fp32 weights and moments
+    assert store_problem(plan, need) is None and store_problem(plan, 0) is None
+    said = store_problem(plan, need - 1)
+    assert f"{need / 2**30:.1f} GiB" in said and "--object-store-memory=" in said and "lora" in said
+    asked = int(said.split("--object-store-memory=")[1].split()[0])
+    assert asked >= need
