@@ -32,8 +32,10 @@ def start(*args: str) -> subprocess.Popen:
 
 
 def rows(run_dir: Path) -> list[dict]:
+    """The metric rows written whole so far (the run may be writing the next one as it is read)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    whole = path.read_text().rpartition("\n")[0] if path.is_file() else ""
+    return [json.loads(line) for line in whole.splitlines()]
 
 
 def wait_for_rows(proc: subprocess.Popen, run_dir: Path, n: int, timeout_s: float = 120.0) -> None:
