@@ -18,15 +18,11 @@ from functools import partial
 
 import numpy as np
 
-from cluster.rollouts import Rollout, Rollouts
+from cluster.rollouts import Rollout, Rollouts, shares
 from cluster.runtime import get
 from experts.expert import GangBroken, StaleExpert
 from experts.pipeline import RolloutMeta, RolloutOutputs
 
-
-def shares(items: list, ranks: int) -> list[list]:
-    """`items` in `ranks` contiguous shares, in order (sizes differ by at most one)."""
-    return [list(s) for s in np.array_split(np.array(items, dtype=object), ranks)]
 
 
 def fetched(fetch, calls) -> tuple:

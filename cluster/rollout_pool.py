@@ -16,7 +16,7 @@ import numpy as np
 
 from cluster.recovery import FaultCounts, NotSynced, settle
 from cluster.rollout_worker import RolloutWorker
-from cluster.rollouts import Rollout, Rollouts
+from cluster.rollouts import Rollout, Rollouts, shares
 from cluster.runtime import Runtime, get
 from experts.pipeline import RolloutMeta, RolloutOutputs
 from experts.records import Release
@@ -39,10 +39,10 @@ class RolloutPool(Rollouts):
     def submit(self, step: int, experts) -> None:
         """Every worker's share of `step`'s samples, made with the weights `experts` published so far."""
         samples = self.plan(step)
-        shares = [list(s) for s in np.array_split(np.array(samples, dtype=object), len(self.workers))]
-        rollout = self.in_flight[step] = Rollout(samples, shares, [], dict(experts.published))
+        worker_shares = shares(samples, len(self.workers))
+        rollout = self.in_flight[step] = Rollout(samples, worker_shares, [], dict(experts.published))
         rollout.outputs = [self.submit_share(worker, step, share, rollout.versions)
-                           for worker, share in zip(self.workers, shares)]
+                           for worker, share in zip(self.workers, worker_shares)]
 
     def submit_share(self, worker, step: int, share: list, versions: dict[str, int]) -> RolloutOutputs:
         """One worker's share of a step, made with `versions`: its outputs as separate refs."""

@@ -19,6 +19,11 @@ from experts.pipeline import RolloutMeta, RolloutOutputs
 from experts.records import Release
 
 
+def shares(items: list, ranks: int) -> list[list]:
+    """`items` in `ranks` contiguous shares, in order (sizes differ by at most one)."""
+    return [list(s) for s in np.array_split(np.array(items, dtype=object), ranks)]
+
+
 @dataclass
 class Rollout:
     """One step's rollout: its samples, each worker's share, each share's outputs (ObjectRefs), the

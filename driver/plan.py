@@ -339,19 +339,29 @@ def reward_parts(term) -> tuple[dict[str, int], dict[str, int]]:
     return params, parts
 
 
-def rollout_parts(config: Config, share: int, experts: set[str]) -> tuple[dict, dict, dict]:
-    """(parameter counts, bytes by part, working set by phase) of rolling out `share` samples with
-    the models of `experts` (refiner ids; "generator": with its front end, and the reward terms
-    scored where it samples), one chunk of `rollout.batch_size` at a time."""
+@dataclass
+class RolloutParts:
+    """What rolling out holds: parameter counts, bytes by part, the working set by phase, and the
+    bytes of one synced version of each model rolled out (its adapter alone under LoRA)."""
+    params: dict[str, int]
+    parts: dict[str, int]
+    working: dict[str, int]
+    synced: dict[str, int]
+
+
+def rollout_parts(config: Config, share: int, experts: set[str]) -> RolloutParts:
+    """What rolling out `share` samples holds with the models of `experts` (refiner ids;
+    "generator": with its front end, and the reward terms scored where it samples), one chunk of
+    `rollout.batch_size` at a time."""
     spec = config.experts.generator
     chunk = min(config.rollout.batch_size or share, share)
     refiners = {e: r for e, r in config.experts.active_refiners().items() if e in experts}
-    params, parts, working = {}, {}, {}
+    params, parts, working, synced = {}, {}, {}, {}
     for eid, r in refiners.items():
         if r.model.kind == "tiny_lm":
             from experts.kinds import build_model
             params[eid] = sum(p.numel() for p in build_model(config, eid, fresh=True).parameters())
-            parts[f"weights: {eid}"] = 4 * params[eid]
+            parts[f"weights: {eid}"] = synced[eid] = 4 * params[eid]
             continue
         arch = lm_architecture(r.model)
         params[eid] = arch.params
@@ -364,15 +374,17 @@ def rollout_parts(config: Config, share: int, experts: set[str]) -> tuple[dict, 
             working[f"refine: {eid}"] = chunk * (seq * arch.working_set_per_token + arch.vocab * 4 * 2)
             continue
         parts[f"weights: {eid}"] = arch.params * DTYPE_BYTES[r.model.dtype] + arch.lora * 4
+        synced[eid] = arch.lora * 4 if r.model.lora else parts[f"weights: {eid}"]
         working[f"refine: {eid}"] = chunk * (seq * (arch.kv_per_token + arch.working_set_per_token) + arch.vocab * 4 * 2)
     if "generator" not in experts:
-        return params, parts, working
+        return RolloutParts(params, parts, working, synced)
     m = spec.model
     if m.kind == "diffusers_flow":
         arch = task_generator(config, m)
         width = DTYPE_BYTES[m.dtype]
         params["generator"] = arch.transformer
         parts["weights: generator"] = arch.transformer * width + arch.lora * 4
+        synced["generator"] = arch.lora * 4 if m.lora else parts["weights: generator"]
         for name, n in arch.frontend.items():
             params[name] = n
             parts[f"weights: {name}"] = n * arch.frontend_width[name]
@@ -385,7 +397,7 @@ def rollout_parts(config: Config, share: int, experts: set[str]) -> tuple[dict, 
         from experts.kinds import build_model
         params["generator"] = sum(p.numel() for p in build_model(config, "generator", fresh=True).parameters())
         params["text_encoder"] = sum(p.numel() for p in build_text_encoder(config, fresh=True).parameters())
-        parts["weights: generator"] = 4 * params["generator"]
+        parts["weights: generator"] = synced["generator"] = 4 * params["generator"]
         parts["weights: text_encoder"] = 4 * params["text_encoder"]
         side = config.task.image_size
         parts["trajectories (one chunk)"] = chunk * (spec.sample_steps + 1) * 3 * (config.task.num_frames or 1) \
@@ -399,15 +411,16 @@ def rollout_parts(config: Config, share: int, experts: set[str]) -> tuple[dict, 
         params.update(term_params)
         parts.update({k: v for k, v in term_parts.items() if k.startswith("weights")})
         working[f"reward: {name}"] = sum(v for k, v in term_parts.items() if k.startswith("activations"))
-    return params, parts, working
+    return RolloutParts(params, parts, working, synced)
 
 
 def rollout_worker(config: Config, j: int) -> ActorPlan:
     workers = config.cluster.rollout_workers
     share = math.ceil(step_samples(config) / workers)
     chunk = min(config.rollout.batch_size or share, share)
-    params, parts, working = rollout_parts(config, share, {"generator", *config.experts.active_refiners()})
-    parts.update(delivered_ahead(config, parts))
+    held = rollout_parts(config, share, {"generator", *config.experts.active_refiners()})
+    params, parts, working = held.params, held.parts, held.working
+    parts.update(delivered_ahead(config, held.synced))
     if working:
         phase = max(working, key=working.get)
         parts[f"working set of one chunk of {chunk} ({phase})"] = working[phase]
@@ -417,25 +430,19 @@ def rollout_worker(config: Config, j: int) -> ActorPlan:
                      {k: int(v) for k, v in parts.items()}, advice)
 
 
-def delivered_ahead(config: Config, parts: dict) -> dict[str, int]:
+def delivered_ahead(config: Config, synced: dict[str, int]) -> dict[str, int]:
     """The versions a rollout worker holds beside the ones it serves: a version delivered stays
     until the next rollout serves it, and the one served before it until then too
     (cluster/rollout_worker.py `serve`, `use_versions`); under `cluster.max_staleness=k`, k older
-    ones that rollouts in flight name. Each is a trained expert's synced weights (its adapter under
-    LoRA) as the worker holds them; an engine refiner's wait in host memory, not on the device."""
+    ones that rollouts in flight name. Each is a trained expert's synced weights (`synced`: its
+    adapter under LoRA) as the worker holds them; an engine refiner's wait in host memory, not on
+    the device."""
     ahead = 1 + config.cluster.max_staleness
-    out = {}
-    for eid, r in config.experts.active_refiners().items():
-        if r.train and r.engine != "vllm":
-            lora = r.model.kind == "hf_causal_lm" and r.model.lora
-            out[f"versions delivered ahead: {eid} (x{ahead})"] = ahead * (
-                lm_architecture(r.model).lora * 4 if lora else parts[f"weights: {eid}"])
-    g = config.experts.generator
+    out = {f"versions delivered ahead: {eid} (x{ahead})": ahead * synced[eid]
+           for eid, r in config.experts.active_refiners().items() if r.train and r.engine != "vllm"}
     trained = [e for e in ("generator", "generator_low") if e in config.experts.ids() and config.expert(e).train]
     if trained:
-        lora = g.model.kind == "diffusers_flow" and g.model.lora
-        out[f"versions delivered ahead: {', '.join(trained)} (x{ahead})"] = ahead * (
-            task_generator(config, g.model).lora * 4 if lora else parts["weights: generator"])
+        out[f"versions delivered ahead: {', '.join(trained)} (x{ahead})"] = ahead * synced["generator"]
     return out
 
 
@@ -452,7 +459,8 @@ def colocated_rank(config: Config, a: ActorPlan) -> ActorPlan:
     ranks = config.ranks(e)
     samples = step_samples(config) if e == "generator" else refined_samples(config)
     share = math.ceil(samples / ranks)
-    params, parts, working = rollout_parts(config, share, {e})
+    rolling = rollout_parts(config, share, {e})
+    params, parts, working = rolling.params, rolling.parts, rolling.working
     held = {k: v for k, v in parts.items() if k != f"weights: {e}"}
     away = sum(v for k, v in a.bytes.items() if k.startswith("activations")
                or any(k.startswith(OFFLOADED[o]) for o in config.cluster.offload))

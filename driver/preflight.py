@@ -416,8 +416,7 @@ def store_problem(plan, have: float) -> str | None:
     return (f"the driver's node keeps the trained experts' latest snapshots in its object store, "
             f"{need / 2**30:.1f} GiB ({parts}), and the largest node's object store holds {have / 2**30:.1f} GiB: "
             f"start that node's Ray with --object-store-memory={math.ceil(need * 1.05 / 1e9) * 10 ** 9} (bytes) or "
-            f"more, or "
-            f"train LoRA adapters (experts.<id>.model.lora), whose snapshots are the adapters alone")
+            f"more, or train LoRA adapters (experts.<id>.model.lora), whose snapshots are the adapters alone")
 
 
 def load_config(source: str = "shapes", overrides: list[str] = ()) -> Config:

@@ -6,7 +6,7 @@ an image against the *original* prompt's clauses.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -43,7 +43,7 @@ RARE_VOCAB: list[str] = VOCAB + list(RARE_SYNONYMS.values())  # the usual words 
 RARE_WORD_TO_ID = {w: i for i, w in enumerate(RARE_VOCAB)}
 MAX_PROMPT_WORDS = 16
 SHAPES_VOCABULARY = Vocabulary(tuple(VOCAB), PAD, BOS, EOS, SEP, MAX_PROMPT_WORDS)
-RARE_VOCABULARY = Vocabulary(tuple(RARE_VOCAB), PAD, BOS, EOS, SEP, MAX_PROMPT_WORDS)  # the usual words keep their ids
+RARE_VOCABULARY = replace(SHAPES_VOCABULARY, words=tuple(RARE_VOCAB))  # the usual words keep their ids
 CATEGORIES = ("single_object", "two_objects", "counting", "colors", "position", "color_attr")
 
 
