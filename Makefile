@@ -24,10 +24,10 @@ run: $(BIN)/.installed
 	$(BIN)/jointrl train --config shapes
 
 test: $(BIN)/.installed
-	JOINTRL_REQUIRE_VLLM=$(REQUIRE_VLLM) $(BIN)/python -m pytest -q --durations=25
+	JOINTRL_REQUIRE_VLLM=$(REQUIRE_VLLM) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 test-fast: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -m "not slow and not cluster and not engine" --durations=10
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not cluster and not engine" --durations=10
 
 bench: $(BIN)/.installed
 	$(BIN)/python bench/perf.py

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,17 +23,60 @@ _names = itertools.count()
 
 def pytest_configure(config):
     """Tiny random models (`tiny:<kind>`) are built once per test session into a fresh folder, so
-    no test reads a cache another version of a builder wrote; Ray's workers inherit the variable."""
-    os.environ["JOINTRL_TINY_CACHE"] = tempfile.mkdtemp(prefix="jointrl-tiny-")
+    no test reads a cache another version of a builder wrote; Ray's workers inherit the variable,
+    and so do pytest-xdist's, which share the session's folder (a build is atomic: common/tiny.py)
+    and write the groups they collected beside it (`TestGroups`)."""
+    if not hasattr(config, "workerinput"):  # not an xdist worker: the session's process itself
+        os.environ["JOINTRL_TINY_CACHE"] = tempfile.mkdtemp(prefix="jointrl-tiny-")
+        os.environ["JOINTRL_TEST_GROUPS"] = tempfile.mkdtemp(prefix="jointrl-test-groups-")
 
 
+def group_of(item) -> str:
+    """Which worker-sized group a test belongs to: the tests on the session's Ray ("session-ray"),
+    the tests that start processes of their own: a Ray, the command, vLLM engines ("own-processes"),
+    else its module."""
+    if "ray_session" in item.fixturenames:
+        return "session-ray"
+    if item.get_closest_marker("cluster") or item.get_closest_marker("engine"):
+        return "own-processes"
+    return item.module.__name__
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """`cluster`: a test on the session's local Ray. The fast tier (`make test-fast`) leaves out these,
     the tests marked `cluster` by hand (they start the command, a Ray or a cluster of their own),
-    `engine` (vLLM engines) and `slow` (learning over tens of steps)."""
+    `engine` (vLLM engines) and `slow` (learning over tens of steps). An xdist worker writes each
+    test's group for the session's scheduler."""
     for item in items:
         if "ray_session" in item.fixturenames:
             item.add_marker(pytest.mark.cluster)
+    if hasattr(config, "workerinput"):
+        where = Path(os.environ["JOINTRL_TEST_GROUPS"]) / f"{config.workerinput['workerid']}.json"
+        where.write_text(json.dumps({item.nodeid: group_of(item) for item in items}))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` and `make test-fast` run on two pytest-xdist workers (`-n 2 --dist loadgroup`),
+    a group (`group_of`) at a time, in order, on one worker: so the session has one Ray, which
+    one worker starts; no two tests that start processes of their own load the machine at once; a
+    module's fixtures are made once. (xdist's own loadgroup reads `xdist_group` marks into node
+    ids, which pytest 9.2's node ids no longer take: the groups come from the workers' files.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TestGroups(LoadScopeScheduling):
+        groups: dict[str, str] = {}
+
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid not in self.groups:
+                for written in Path(os.environ["JOINTRL_TEST_GROUPS"]).glob("*.json"):
+                    self.groups.update(json.loads(written.read_text()))
+            return self.groups.get(nodeid) or nodeid.split("::")[0]
+
+    return TestGroups(config, log)
 
 
 @pytest.fixture(scope="module")

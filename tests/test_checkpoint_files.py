@@ -58,6 +58,7 @@ def test_a_checkpoints_manifest_lists_each_files_sha256(tmp_path):
     assert checkpoint.verify(ckpt, ["generator"]) == 2
 
 
+@pytest.mark.cluster  # it starts bench/checkpoint_writer.py in a process of its own
 def test_the_writer_adds_no_copy_of_the_snapshot_it_writes():
     """A 144 MB expert file (a stand-in model's weights and Adam moments, numpy as they come from
     the object store), written by bench/checkpoint_writer.py's measure: what writing it adds to the
@@ -130,6 +131,7 @@ print(ray._private.worker._global_node.get_session_dir_path())
 """
 
 
+@pytest.mark.cluster  # it starts a Ray of its own
 def test_a_local_ray_keeps_its_session_and_spills_where_the_config_says(tmp_path):
     """cluster.temp_dir and cluster.spill_dir as a local Ray takes them: its session folder under
     the one (a short path: Ray's sockets live there), the objects its store cannot hold in the other."""

@@ -118,9 +118,12 @@ def test_grad_norm_is_torchs_norm_of_the_gradient_before_clipping():
     assert clipped == pytest.approx(clip, rel=1e-3)  # what the step used was clipped; the stat is from before
 
 
-@pytest.mark.parametrize("preset, layout", [("shapes-tiny", "separate"), ("shapes-video", "colocated")])
-def test_every_row_of_a_run_carries_the_four_diagnostics(preset, layout, tmp_path):
-    cfg = make_config("cluster.mode=inline", f"cluster.layout={layout}", "trainer.steps=2", preset=preset)
+@pytest.mark.parametrize("preset, layout, smaller", [
+    ("shapes-tiny", "separate", []),
+    ("shapes-video", "colocated", ["trainer.prompts_per_step=2", "experts.generator.sample_steps=4"])],
+    ids=["shapes-tiny-separate", "shapes-video-colocated"])
+def test_every_row_of_a_run_carries_the_four_diagnostics(preset, layout, smaller, tmp_path):
+    cfg = make_config("cluster.mode=inline", f"cluster.layout={layout}", "trainer.steps=2", *smaller, preset=preset)
     rows, _, _ = run_training(cfg, tmp_path)
     experts = cfg.experts.ids()
     for row in rows:

@@ -58,6 +58,7 @@ def images(n: int = 2) -> np.ndarray:
     return np.random.default_rng(0).uniform(-1, 1, (n, 3, 16, 16)).astype(np.float32)
 
 
+@pytest.mark.cluster  # the term is served by the command in a process of its own
 def test_a_run_whose_term_is_served_equals_the_run_scoring_it_in_process(served_clip_score, tmp_path):
     here, there = tmp_path / "here", tmp_path / "there"
     trained_inline(here, "prompts-tiny", 2)

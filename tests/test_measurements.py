@@ -69,6 +69,7 @@ def test_every_real_preset_plans_from_the_shipped_measurements_without_tracing(s
     assert not list(store.glob("*.json")) or all("tiny:" in json.loads(p.read_text())["what"] for p in store.glob("*.json"))
 
 
+@pytest.mark.slow  # traces every shipped architecture again
 def test_each_shipped_measurement_equals_a_fresh_trace(store, monkeypatch):
     monkeypatch.setenv("JOINTRL_REMEASURE", "1")
     shipped = measurements.shipped()

@@ -313,6 +313,7 @@ def gather_on_two_ranks(rank: int, port: int, by_unit: bool, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.cluster  # its ranks are processes of their own
 @pytest.mark.parametrize("by_unit", [True, False])
 def test_only_the_leader_copies_the_gathered_model_to_the_host(tmp_path, by_unit):
     """Every rank takes part in gathering a sharded model (the collectives line up, nothing hangs);

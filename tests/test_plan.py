@@ -212,6 +212,7 @@ def test_once_connected_to_a_cluster_with_gpus_train_is_planned_against_them(mon
         fits_cluster(resolve_config("flux2-klein", ["experts.generator.parallel.ranks=1"]))
 
 
+@pytest.mark.slow  # traces the video preset's tiny builds
 def test_the_plan_of_the_video_preset_measures_its_tiny_builds(capsys):
     """A tiny generator of any kind (the video DiT too) has no architecture to count FLOPs of: its
     layouts' costs are measured."""
