@@ -24,7 +24,6 @@ from experts.expert import GangBroken, StaleExpert
 from experts.pipeline import RolloutMeta, RolloutOutputs
 
 
-
 def fetched(fetch, calls) -> tuple:
     return fetch(calls), calls
 

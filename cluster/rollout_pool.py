@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
-
 from cluster.recovery import FaultCounts, NotSynced, settle
 from cluster.rollout_worker import RolloutWorker
 from cluster.rollouts import Rollout, Rollouts, shares

@@ -68,10 +68,11 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class TestGroups(LoadScopeScheduling):
-        groups: dict[str, str] = {}
+        groups: dict[str, str] | None = None  # read once, when the workers have all collected
 
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid not in self.groups:
+            if self.groups is None:
+                self.groups = {}
                 for written in Path(os.environ["JOINTRL_TEST_GROUPS"]).glob("*.json"):
                     self.groups.update(json.loads(written.read_text()))
             return self.groups.get(nodeid) or nodeid.split("::")[0]
