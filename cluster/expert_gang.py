@@ -80,17 +80,21 @@ class ExpertGang:
         shards = optimizer.shards if isinstance(optimizer, ShardedOptimizer) else [optimizer] * len(self.ranks)
         get([r.restore.remote(weights, shard, info) for r, shard in zip(self.ranks, shards)])
 
+    def load_weights(self, weights, info) -> None:
+        """Every rank's weights, version and last step from a snapshot, their optimizer state kept."""
+        get([r.restore.remote(weights, None, info) for r in self.ranks])
+
     def update(self, step: int, version: int, *inputs) -> list:
         """Every rank's update call (the leader's first: the expert's stats); the expert group has
         checked the gang whole (`check`) before asking."""
         return [r.update.remote(step, version, *inputs) for r in self.ranks]
 
-    def snapshot(self) -> tuple[Snapshot, list]:
+    def snapshot(self, with_optimizer: bool = True) -> tuple[Snapshot, list]:
         """(the expert's snapshot as ObjectRefs: the leader's weights and info, and if sharded every
-        rank's optimizer shard; the other ranks' calls to await)."""
-        calls = [r.snapshot.options(num_returns=3).remote() for r in self.ranks]
+        rank's optimizer shard, unless `with_optimizer` is False; the other ranks' calls to await)."""
+        calls = [r.snapshot.options(num_returns=3).remote(with_optimizer) for r in self.ranks]
         weights, optimizer, info = calls[0]
-        if self.sharded:
+        if self.sharded and with_optimizer:
             optimizer = ShardedOptimizer([call[1] for call in calls])
         return Snapshot(weights, optimizer, info), [call[2] for call in calls[1:]]
 

@@ -1,19 +1,25 @@
 """`ExpertGroup`: the run's experts as the driver sees them — spawned, their snapshots in the
 driver's custody, each update applied exactly once, each new version published to the workers.
 
-After every update the group keeps each expert's snapshot (weights, optimizer state, info) as
-ObjectRefs it owns, on the driver's node. A killed expert is restarted by Ray, restored from its
-last snapshot and given the step's update again; an update names the version it starts from, so a
-restarted instance refuses instead of silently starting over. An expert of several ranks is driven
+After every update the group keeps each expert's snapshot (weights and info; the optimizer state
+too after every `cluster.optimizer_snapshot_every` updates and at checkpoints) as ObjectRefs it
+owns, on the driver's node, with the inputs of the updates since its last snapshot with optimizer
+state. A killed expert is restarted by Ray, restored from that snapshot, made to apply the kept
+updates again (the same state, inputs and code compute the same update) and given the step's update
+again; an update names the version it starts from, so a restarted instance refuses instead of
+silently starting over. An expert of several ranks is driven
 as one through its gang (cluster/expert_gang.py): any of its ranks killed, the whole gang is formed
 again and restored. A killed weight-sync actor or worker during a publish is survived by delivering
 every published version again.
 """
 from __future__ import annotations
 
+import logging
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
+import ray
 from ray.exceptions import ObjectLostError
 
 from algorithm.credit import Advantages
@@ -26,6 +32,16 @@ from experts.expert import GangBroken, StaleExpert
 from experts.kinds import expert_kind
 from experts.records import Release, ShardedOptimizer, ShardFiles, Snapshot
 from experts.state_file import SHARDS
+
+LOG = logging.getLogger("jointrl.recovery")
+
+
+class Replay(NamedTuple):
+    """An update an expert applied since its last snapshot with optimizer state: made again, in
+    order, when the expert is restored."""
+    step: int
+    version: int
+    inputs: tuple
 
 
 class ExpertGroup:
@@ -48,6 +64,8 @@ class ExpertGroup:
         self.workers = workers
         self.nodes: dict[str, str | None] = {}
         self.snapshots = {e: self.first_snapshot(e, (states or {}).get(e)) for e in self.ids}
+        self.bases = dict(self.snapshots)  # each expert's last snapshot with its optimizer state
+        self.replays: dict[str, list[Replay]] = {e: [] for e in self.ids}  # its updates since
         self.versions = {e: info.version for e, info in get({e: s.info for e, s in self.snapshots.items()}).items()}
         self.published: dict[str, Release] = {}  # what every worker holds
         self.publish(self.ids)
@@ -141,33 +159,77 @@ class ExpertGroup:
             self.versions[e] = stats[e]["version"]
 
     def submit_update(self, e: str, step: int, advantages: Advantages, rollout) -> tuple:
-        """Expert `e`'s update on `rollout` and the snapshot after it, submitted: (the update's refs,
-        the snapshot, the other ranks' snapshot calls)."""
+        """Expert `e`'s update on `rollout` and the snapshot after it (with the optimizer state when
+        due), submitted: (the update's refs, the snapshot, the other ranks' snapshot calls, the
+        update's inputs)."""
         inputs = self.kinds[e].update_inputs(advantages, rollout.refined, rollout.outputs_for(e))
-        return self.gangs[e].update(step, self.versions[e], *inputs), *self.gangs[e].snapshot()
+        return (self.gangs[e].update(step, self.versions[e], *inputs), *self.gangs[e].snapshot(self.base_due(e)),
+                inputs)
+
+    def base_due(self, e: str) -> bool:
+        """Whether expert `e`'s next snapshot takes its optimizer state (cluster.optimizer_snapshot_every)."""
+        return len(self.replays[e]) + 1 >= self.config.cluster.optimizer_snapshot_every
 
     def updated(self, e: str, step: int, call: tuple) -> tuple[dict, Snapshot]:
         """A submitted update's stats and its new snapshot, kept on the driver's node; the snapshot
-        must show this step's version (an expert that restarted between shows an older one)."""
-        updates, snapshot, others = call
+        must show this step's version (an expert that restarted between shows an older one). The
+        update's inputs are kept until the expert's next snapshot with optimizer state."""
+        updates, snapshot, others, inputs = call
         try:
             result, info = get(updates)[0], get(snapshot.info)
             get(others)
+            replay = None if self.base_due(e) else Replay(step, self.versions[e], self.kept_inputs(inputs))
         except ObjectLostError as lost:
             raise RolloutLost(f"step {step}: {e}'s update lost its inputs ({type(lost).__name__})") from lost
         if (info.version, info.last_step) != (self.versions[e] + 1, step):
             raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
-        return result, self.keep(snapshot, e)
+        kept = self.keep(snapshot, e)
+        if replay is None:
+            self.bases[e], self.replays[e] = kept, []
+        else:
+            self.replays[e].append(replay)
+        return result, kept
+
+    @staticmethod
+    def kept_inputs(inputs: tuple) -> tuple:
+        """An update's inputs kept for its replay: those in the object store with their data on the
+        driver's node (keep_here), as the rollout workers' nodes may be lost before it."""
+        at = [i for i, x in enumerate(inputs) if isinstance(x, ray.ObjectRef)]
+        if not at:
+            return inputs
+        kept = dict(zip(at, keep_here(tuple(inputs[i] for i in at), None)))
+        return tuple(kept.get(i, x) for i, x in enumerate(inputs))
 
     def update_again(self, e: str, step: int, advantages: Advantages, rollout) -> tuple[dict, Snapshot]:
         """Expert `e`'s update made again, on its gang restored from its previous snapshot."""
         return self.updated(e, step, self.submit_update(e, step, advantages, rollout))
 
     def restore(self, e: str) -> None:
-        """Expert `e`'s gang back to its last snapshot (raises RayActorError while Ray restarts a rank)."""
+        """Expert `e`'s gang back to its latest version: its last snapshot with optimizer state,
+        then the updates since made again (raises RayActorError while Ray restarts a rank)."""
         get(self.handles[e].info.remote())
-        self.gangs[e].restore(*self.snapshots[e])
+        self.gangs[e].restore(*self.bases[e])
+        self.replay(e)
         self.nodes[e] = get(self.handles[e].node.remote())
+
+    def replay(self, e: str) -> None:
+        """The updates expert `e` applied since its last snapshot with optimizer state, made again in
+        order from their kept inputs, then checked against its latest snapshot's fingerprint. Where
+        they differ (kernels that do not repeat bit for bit, as some GPU ones), the latest weights are
+        loaded over them, the replayed optimizer moments kept, and a warning says so."""
+        if not self.replays[e]:
+            return
+        self.faults.replayed_updates += len(self.replays[e])
+        for update in self.replays[e]:
+            get(self.gangs[e].update(update.step, update.version, *update.inputs))
+        made, others = self.gangs[e].snapshot(with_optimizer=False)
+        get(others)
+        replayed, latest = get([made.info, self.snapshots[e].info])
+        if replayed != latest:
+            LOG.warning("%s: %d updates made again from its last optimizer snapshot end at %s, not %s (the "
+                        "kernels do not repeat exactly): the latest weights are loaded, the optimizer state "
+                        "kept as replayed", e, len(self.replays[e]), replayed, latest)
+            self.gangs[e].load_weights(self.snapshots[e].weights, self.snapshots[e].info)
 
     def wait_alive(self, e: str) -> None:
         """Return once every rank of `e` answers (raises RayActorError while Ray restarts one)."""
@@ -183,7 +245,14 @@ class ExpertGroup:
         """Every expert's latest snapshot as ObjectRefs, for a checkpoint's writer (on this node) to
         fetch; a sharded expert's optimizer as its ranks write it (they hold that snapshot's state:
         checkpoints come between steps), a list of each rank's ShardFiles, its files written
-        straight into the checkpoint's temporary folder `staging` by the ranks on this node."""
+        straight into the checkpoint's temporary folder `staging` by the ranks on this node. An
+        expert whose latest snapshot lacks its optimizer state takes one with it first."""
+        for e in self.ids:
+            if self.replays[e] and not self.gangs[e].sharded:
+                self.snapshots[e] = self.bases[e] = self.retry(
+                    partial(self.take_snapshot, e), recover=partial(self.restore, e),
+                    retried=(SnapshotLost, GangBroken), name=f"{e}'s snapshot", counter="expert_restarts")
+                self.replays[e] = []
         return {e: Snapshot(s.weights, self.optimizer_files(e, staging / f"{e}{SHARDS}")
                             if isinstance(s.optimizer, ShardedOptimizer) else s.optimizer, s.info)
                 for e, s in self.snapshots.items()}
@@ -193,7 +262,7 @@ class ExpertGroup:
         a rank lost meanwhile, the gang is restored from its latest snapshot (the state being saved)
         and writes it again."""
         return self.retry(partial(self.gangs[e].optimizer_files, str(into), this_node()),
-                          recover=partial(self.gangs[e].restore, *self.snapshots[e]), retried=(GangBroken,),
+                          recover=partial(self.restore, e), retried=(GangBroken,),
                           name=f"{e}'s optimizer files", counter="expert_restarts")
 
     def inspect(self) -> dict:

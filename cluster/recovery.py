@@ -28,6 +28,7 @@ class FaultCounts:
     sync_restarts: int = 0
     sync_fallbacks: int = 0
     rollouts_lost: int = 0
+    replayed_updates: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

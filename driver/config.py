@@ -271,6 +271,15 @@ class ClusterConfig(Strict):
                                                                   "stops, naming those it could not place")
     max_restarts: NonNegativeInt = Field(3, description="per actor: Ray restarts it this often, the driver "
                                                         "restores its state")
+    optimizer_snapshot_every: PositiveInt = Field(
+        1, description="an expert's optimizer state joins the snapshot the driver keeps after at most this many of "
+                       "its updates, and whenever a checkpoint is written; the weights join it after every update "
+                       "(they are published anyway). A killed expert is restored from the last snapshot with its "
+                       "optimizer state and the updates since are made again from their kept inputs (the same "
+                       "state, inputs and code: the same result, checked against the latest weights' "
+                       "fingerprint). A full fine-tune's AdamW moments are twice its fp32 weights: N > 1 puts them "
+                       "through the object store N times less often, for up to N - 1 updates replayed on a restart "
+                       "and N - 1 steps' update inputs kept on the driver's node")
     restart_wait_s: PositiveFloat = Field(600.0, description="seconds the driver waits for Ray to restart a dead "
                                                              "actor (a restarted expert loads its model again, "
                                                              "minutes for a large one); then the run stops")

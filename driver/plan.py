@@ -49,6 +49,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from cluster.layouts import LAYOUTS
 from common.config import SettingError
 from driver.config import Config
 from experts.generator import GeneratorConfig, transformer_part
@@ -490,7 +491,7 @@ def actors_of(config: Config) -> dict[str, ActorPlan]:
         for r in range(config.ranks(eid)):
             rank = generator_expert(config, eid, r) if isinstance(spec, GeneratorConfig) \
                 else refiner_expert(config, eid, r)
-            out.append(colocated_rank(config, rank) if config.cluster.layout == "colocated" else rank)
+            out.append(colocated_rank(config, rank) if LAYOUTS[config.cluster.layout].experts_roll_out else rank)
     out += [rollout_worker(config, j) for j in range(config.cluster.workers)]
     out += [reward_actor(config, t, k) for t, (n, _) in config.reward.pools().items() for k in range(n)]
     out += [driver_actor(config, out), ActorPlan("weight_sync", "always", False, {}, {})]
@@ -498,9 +499,11 @@ def actors_of(config: Config) -> dict[str, ActorPlan]:
 
 
 def driver_actor(config: Config, actors: list[ActorPlan]) -> ActorPlan:
-    """The driver keeps every trained expert's latest snapshot in the object store on its node
-    (cluster/expert_group.py): its synced weights (the adapter under LoRA) and AdamW moments, in
-    fp32; a sharded expert's moments stay on its ranks' nodes (host memory all the same)."""
+    """The driver keeps every trained expert's latest snapshot with optimizer state in the object
+    store on its node (cluster/expert_group.py): its synced weights (the adapter under LoRA) and
+    AdamW moments, in fp32, and where that snapshot is older than the latest version
+    (cluster.optimizer_snapshot_every > 1) the latest weights too; a sharded expert's moments stay
+    on its ranks' nodes (host memory all the same)."""
     parts = {}
     for a in actors:
         if a.name.startswith("expert/") and "/rank" not in a.name and "trained params (fp32)" in a.bytes:
@@ -508,6 +511,8 @@ def driver_actor(config: Config, actors: list[ActorPlan]) -> ActorPlan:
             shard = ranks if config.expert(a.name.split("/")[1]).parallel.strategy == "fsdp" else 1
             parts[f"snapshot of {a.name} (object store)"] = (a.bytes["trained params (fp32)"]
                                                               + a.bytes["optimizer (fp32 AdamW moments)"]) * shard
+            if config.cluster.optimizer_snapshot_every > 1:
+                parts[f"latest weights of {a.name} (object store)"] = a.bytes["trained params (fp32)"] * shard
     return ActorPlan("driver", "always", False, {}, parts)
 
 

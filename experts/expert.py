@@ -110,21 +110,22 @@ class Expert:
                 raise GangBroken(f"{self.expert_id} rank {self.gang.rank}: {what} lost a peer ({e})") from e
             raise
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, with_optimizer: bool = True) -> Snapshot:
         """Everything that restores this expert exactly, with the weights' fingerprint (every worker
-        checks it); every array in it on the host, wherever the model lives."""
+        checks it); every array in it on the host, wherever the model lives. `with_optimizer`=False
+        leaves the optimizer state out (None): the weights and info of a version, to publish."""
         with self.among_peers("a snapshot"):
             weights = self.weights()
-        optimizer = parallel.optimizer_shard(self.optimizer, self.gang) if self.sharded else \
-            optimizer_arrays(self.optimizer.state_dict(), self.private)
+        optimizer = None if not with_optimizer else parallel.optimizer_shard(self.optimizer, self.gang) \
+            if self.sharded else optimizer_arrays(self.optimizer.state_dict(), self.private)
         if weights is None:  # not the leader
             return Snapshot(None, optimizer if self.sharded else None, self.info())
         return Snapshot(weights, optimizer, ExpertInfo(self.version, self.last_step, fingerprint(weights)))
 
     def restore(self, weights: dict, optimizer: dict | OptimizerShard | None, info: ExpertInfo) -> ExpertInfo:
         """Back to a snapshot or checkpoint: weights, optimizer moments (whole, or this rank's shard
-        of a snapshot; as arrays or tensors), version and last applied step. The frozen reference
-        is rebuilt from the config, as it was at the start."""
+        of a snapshot; as arrays or tensors; None: the optimizer state stays as it is), version and
+        last applied step. The frozen reference is rebuilt from the config, as it was at the start."""
         tensors = model_tensors(self.model, weights)
         load(self.model, parallel.sharded_like(tensors, synced_state(self.model)) if self.sharded else tensors)
         if isinstance(optimizer, OptimizerShard):

@@ -1,6 +1,8 @@
 """Killed actors cost time, never correctness: an expert, a rollout worker or the weight-sync actor
 killed mid-run is restarted by Ray and restored by the driver; the run finishes with every update
-applied exactly once, versions only rising, and metrics identical to a fault-free run."""
+applied exactly once, versions only rising, and metrics identical to a fault-free run. The run keeps
+its experts' optimizer state every second update only (cluster.optimizer_snapshot_every=2), so
+each killed expert is restored from an older snapshot and replays the update since."""
 from tests.conftest import assert_same_training, make_config, run_killing, run_training
 
 STEPS = 8
@@ -13,10 +15,11 @@ def config(*extra):
 
 
 def test_every_kind_of_killed_actor_is_restored_and_the_run_is_unchanged(ray_session, tmp_path):
-    rows, info = run_killing(config(), tmp_path / "killed", KILLS)
+    rows, info = run_killing(config("cluster.optimizer_snapshot_every=2"), tmp_path / "killed", KILLS)
     assert [r["step"] for r in rows] == list(range(STEPS))                  # nothing lost
     last = rows[-1]
     assert last["faults/expert_restarts"] == 3             # only updates call experts: each kill noticed there
+    assert last["faults/replayed_updates"] > 0             # restored from a snapshot one update old
     assert last["faults/worker_restarts"] + last["faults/sync_restarts"] == 3  # a dead worker may be noticed
     for e in ("refiner_0", "refiner_1", "refiner_2", "generator"):              # by a publish instead
         versions = [r[f"version/{e}"] for r in rows]

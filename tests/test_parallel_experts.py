@@ -34,13 +34,16 @@ KILLS = [(1, "expert/generator/rank1"), (2, "expert/refiner_0")]  # a follower, 
 def runs(ray_session, tmp_path_factory):
     """strategy (None: one rank, inline) -> its 3-step run, checkpointed every step, made once per module:
     (metric rows, the driver's inspect(), the final checkpoint's weights, run directory). The fsdp
-    run has a rank of each gang killed mid-run (KILLS)."""
+    run has a rank of each gang killed mid-run (KILLS) and keeps its experts' optimizer shards every
+    second update only (cluster.optimizer_snapshot_every=2), so the generator's gang is restored
+    from a snapshot one update old and replays that update."""
     made = {}
 
     def run(strategy: str | None):
         if strategy not in made:
             run_dir = tmp_path_factory.mktemp(strategy or "one-rank")
-            cfg = gang_config(strategy, "trainer.checkpoint_every=1", *([] if strategy else ["cluster.mode=inline"]))
+            cfg = gang_config(strategy, "trainer.checkpoint_every=1", *([] if strategy else ["cluster.mode=inline"]),
+                              *(["cluster.optimizer_snapshot_every=2"] if strategy == "fsdp" else []))
             rows, info = run_killing(cfg, run_dir, KILLS) if strategy == "fsdp" else run_training(cfg, run_dir)[:2]
             last = run_dir / "checkpoints" / "step_000003"
             weights = {e: {k: v.numpy() for k, v in state_file.read_weights(last / f"{e}.safetensors").items()}
@@ -87,6 +90,7 @@ def test_a_rank_killed_mid_run_costs_time_not_correctness(runs):
     rows, info, _, _ = runs("fsdp")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[-1]["faults/expert_restarts"] == len(KILLS)
+    assert rows[-1]["faults/replayed_updates"] > 0
     for e in TRAINED:
         assert [r[f"version/{e}"] for r in rows] == [1, 2, 3], e
         assert info["snapshots"][e] == {"version": 3, "last_step": 2}

@@ -69,6 +69,20 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(mode, reference, tmp_
         checkpoint.manifest(reference / "checkpoints" / "step_000008")["versions"]
 
 
+def test_optimizer_snapshots_every_few_updates_change_nothing_and_checkpoints_take_them(reference, tmp_path):
+    """With the optimizer state kept every third update only (cluster.optimizer_snapshot_every=3),
+    a checkpoint every two steps takes it where the latest snapshot lacks it: the run, and its
+    resume from the step-4 checkpoint, equal the reference."""
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", *RUN, "--set", "cluster.optimizer_snapshot_every=3", "--set", "trainer.keep_checkpoints=4",
+                     "--run-dir", str(run_dir)]) == 0
+    assert_same(rows(run_dir), rows(reference))
+    for step in (6, 8):
+        subprocess.run(["rm", "-rf", str(run_dir / "checkpoints" / f"step_{step:06d}")], check=True)
+    assert cli.main(["train", "--resume", str(run_dir)]) == 0
+    assert_same(rows(run_dir), rows(reference))
+
+
 def snapshot(run_dir: Path) -> dict:
     return {p.relative_to(run_dir): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
