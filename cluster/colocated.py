@@ -12,6 +12,7 @@ from the expert's last snapshot (the version the rollout is made with) and its s
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from functools import partial
@@ -41,6 +42,20 @@ class ColocatedRollouts(Rollouts):
     """The driver's rollouts under `cluster.layout=colocated`: made of the experts' ranks (through
     the expert group) instead of rollout workers. The weight-sync actor has no one to deliver to,
     and nothing is ever in flight: a step is rolled out when it starts."""
+
+    experts_roll_out = True
+
+    @staticmethod
+    def rollout_seconds(*, refine: dict[str, float], generate: float, samples: int, refined: int,
+                        ranks: dict[str, int], workers: int) -> float:
+        """Each refiner's ranks refine their share (the refiners at once), then the generator's
+        ranks generate theirs."""
+        refining = max((cost * math.ceil(refined / ranks[e]) for e, cost in refine.items()), default=0.0)
+        return refining + generate * math.ceil(samples / ranks["generator"])
+
+    @staticmethod
+    def who_rolls_out(*, generator_ranks: int, workers: int) -> str:
+        return f"the generator on {generator_ranks} rank(s)"
 
     def collect(self, step: int, experts) -> Rollout:
         """`step`'s rollout, made now by the experts' ranks with the versions they hold."""

@@ -10,6 +10,7 @@ its share again: a rollout is a pure function of step and weights.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 from cluster.recovery import FaultCounts, NotSynced, settle
@@ -24,6 +25,16 @@ from experts.weights import fingerprint
 class RolloutPool(Rollouts):
     """The separate layout's rollouts: `cluster.rollout_workers` workers, each holding a copy of
     every expert's weights that the weight-sync actor keeps at the versions published."""
+
+    @staticmethod
+    def rollout_seconds(*, refine: dict[str, float], generate: float, samples: int, refined: int,
+                        ranks: dict[str, int], workers: int) -> float:
+        """Each worker refines its share with every refiner, then generates it."""
+        return sum(refine.values()) * math.ceil(refined / workers) + generate * math.ceil(samples / workers)
+
+    @staticmethod
+    def who_rolls_out(*, generator_ranks: int, workers: int) -> str:
+        return f"the generator on {generator_ranks} rank(s) + {workers} rollout worker(s)"
 
     def __init__(self, config, runtime: Runtime, faults: FaultCounts, plan):
         super().__init__(config, runtime, faults, plan)

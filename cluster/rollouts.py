@@ -58,7 +58,24 @@ class Rollout:
 class Rollouts(ABC):
     """A layout's rollouts, as the driver's loop and the expert group use them. `workers`: the
     rollout workers the weight-sync actor delivers versions to (none where the experts roll out);
-    `in_flight`: {step: Rollout} submitted ahead and not yet collected."""
+    `in_flight`: {step: Rollout} submitted ahead and not yet collected. What the plan reads of a
+    layout (driver/plan.py, driver/commands/layout_plan.py) is its class's: `experts_roll_out`,
+    `rollout_seconds` and `who_rolls_out`."""
+
+    experts_roll_out = False  # whether each expert rank rolls out its share too (and holds what that needs)
+
+    @staticmethod
+    @abstractmethod
+    def rollout_seconds(*, refine: dict[str, float], generate: float, samples: int, refined: int,
+                        ranks: dict[str, int], workers: int) -> float:
+        """A synchronous step's rollout phase, as long as its busiest device: `refine` (per
+        refiner) and `generate` are one device's seconds per sample; `samples` a step's, `refined`
+        those refined; `ranks` each expert's; `workers` the rollout workers."""
+
+    @staticmethod
+    @abstractmethod
+    def who_rolls_out(*, generator_ranks: int, workers: int) -> str:
+        """Who holds a generator under this layout, in words (`jointrl plan`)."""
 
     def __init__(self, config, runtime: Runtime, faults: FaultCounts, plan):
         """`plan(step)`: the samples of `step` (algorithm/batch.py); `faults`: the counts its

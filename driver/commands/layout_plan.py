@@ -26,13 +26,13 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
+from cluster.layouts import LAYOUTS
 from common.config import SettingError
 from driver.config import Config, validated
 from driver.plan import (PROMPT_TOKENS, PlanError, Target, guided, plan_for, refined_samples, step_samples,
                          task_generator, trained_steps)
 from experts.memory import lm_architecture
 
-LAYOUTS = ("separate", "colocated")
 REFUSED = "the config refuses it: "  # how a layout the config's validation refuses is reported
 
 
@@ -191,16 +191,13 @@ def estimate(config: Config, costs: PhaseCosts, target: Target) -> LayoutEstimat
     def learns(e: str) -> int:
         return n if e == "generator" else n_refined
     update = max((cost * math.ceil(learns(e) / config.ranks(e)) for e, cost in costs.update.items()), default=0.0)
-    if config.cluster.layout == "colocated":
-        refine = max((cost * math.ceil(n_refined / config.ranks(e)) for e, cost in costs.refine.items()), default=0.0)
-        rollout = refine + costs.generate * math.ceil(n / config.ranks("generator"))
-    else:
-        w = config.cluster.rollout_workers
-        rollout = sum(costs.refine.values()) * math.ceil(n_refined / w) + costs.generate * math.ceil(n / w)
+    layout = LAYOUTS[config.cluster.layout]
+    rollout = layout.rollout_seconds(refine=costs.refine, generate=costs.generate, samples=n, refined=n_refined,
+                                     ranks={e: config.ranks(e) for e in config.experts.ids()},
+                                     workers=config.cluster.rollout_workers)
     plan = plan_for(config, target)
     held = {name: a.total for name, a in plan.actors.items() if name.startswith(("expert/", "rollout/"))}
-    shape = f"the generator on {config.ranks('generator')} rank(s)" + (
-        f" + {config.cluster.rollout_workers} rollout worker(s)" if config.cluster.layout == "separate" else "")
+    shape = layout.who_rolls_out(generator_ranks=config.ranks("generator"), workers=config.cluster.rollout_workers)
     return LayoutEstimate(config.cluster.layout, shape, len(held), held, rollout, update)
 
 
