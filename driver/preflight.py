@@ -21,7 +21,7 @@ from experts.state_file import sha256
 from driver import overrides as sets, presets
 from driver.config import invalid, resolve_config, validated
 from driver.overrides import flat
-from experts.families import FAMILIES, VIDEO
+from experts.families import FAMILIES
 
 if TYPE_CHECKING:
     from driver.config import Config
@@ -103,11 +103,12 @@ def generator_family(path: str) -> None:
 
 
 def sample_problems(config: Config) -> list[str]:
-    """The generator makes the task's samples: a video family (experts/families.py VIDEO) clips of
-    task.num_frames frames its VAE takes, of sides its latent patches divide; an image family square
-    images (task.num_frames and task.image_width unset); guidance_scale_2 only for a model with a
-    low-noise transformer, and for `experts.generator_low` to train as an expert of its own. A hub
-    model whose config files are not at hand is checked when it loads."""
+    """The generator makes the task's samples: a video family (experts/families.py `Family.video`)
+    clips of task.num_frames frames its VAE takes, of sides its latent patches divide (its module's
+    `check_clip`); an image family square images (task.num_frames and task.image_width unset);
+    guidance_scale_2 only for a model with a low-noise transformer, and for `experts.generator_low`
+    to train as an expert of its own. A hub model whose config files are not at hand is checked when
+    it loads."""
     from common.architectures import config_folder, index_class
     m, task = config.experts.generator.model, config.task
     split = config.experts.generator_low is not None
@@ -131,18 +132,18 @@ def sample_problems(config: Config) -> list[str]:
         problems.append(two.format(f".path={m.path} ({family})"))
     elif split:
         problems += split_problems(config, folder, index)
-    if family in VIDEO:
-        from experts.wan import check_clip
+    if family in FAMILIES and FAMILIES[family].video:
         vae = json.loads((folder / "vae" / "config.json").read_text())
         try:
-            check_clip(task, vae.get("scale_factor_temporal", 4), vae.get("scale_factor_spatial", 8), m.path)
+            importlib.import_module(FAMILIES[family].module).check_clip(
+                task, vae.get("scale_factor_temporal", 4), vae.get("scale_factor_spatial", 8), m.path)
         except ValueError as e:
             problems.append(str(e))
         return problems
     image = f"experts.generator.model.path={m.path} is an image model ({family})"
     if task.num_frames is not None:
         problems.append(f"task.num_frames={task.num_frames}: {image}; unset task.num_frames (null) or name a video "
-                        f"model ({', '.join(sorted(VIDEO))})")
+                        f"model ({', '.join(sorted(f for f, family in FAMILIES.items() if family.video))})")
     if task.image_width not in (None, task.image_size):
         problems.append(f"task.image_width={task.image_width}: {image}, whose images are square "
                         f"(task.image_size={task.image_size}); unset task.image_width")

@@ -1,12 +1,13 @@
 """Generator families: which diffusers pipeline a model folder holds, and the module that serves it.
 
-A `diffusers_flow` generator is chosen by the `_class_name` of its `model_index.json`. Each family's
-module is the only place that knows the family, and defines two classes:
+A `diffusers_flow` generator is chosen by the `_class_name` of its `model_index.json` (one line of
+`FAMILIES` per family). Each family's module is the only place that knows the family, and defines
+two classes:
 
 - `Velocity(spec, seed)`: the trained transformer as an `nn.Module`, `forward(x, sigma, **cond)` the
   velocity v(x, sigma | text) on the flow's state (B, *latent_shape) — with the family's guidance —
-  plus `merge_conditions(conds)`, `synced_state()`, `adapter_disabled()` (the LoRA reference) and
-  `lora`;
+  plus `merge_conditions(conds)`, `synced_state()`, `adapter_disabled()` (the LoRA reference),
+  `lora` and `conditioning(...)` (the shapes of what `cond` holds, for the memory plan);
 - `FrontEnd(config, device)`: what stays frozen in a rollout worker: the text encoders behind a
   cache (`condition(prompts, refinements, drop)` -> the `cond` the velocity reads, `take_stats()`,
   `version`), the flow's space (`latent_shape`, `sigmas(steps)` from 1 down to 0, shifted as the
@@ -20,15 +21,23 @@ log-probs and the trajectories are the same objects for every family.
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
-FAMILIES = {  # a pipeline's class name -> the module that serves it
-    "StableDiffusion3Pipeline": "experts.sd3",
-    "FluxPipeline": "experts.flux1",
-    "Flux2KleinPipeline": "experts.flux2",
-    "QwenImagePipeline": "experts.qwen_image",
-    "WanPipeline": "experts.wan",
+
+class Family(NamedTuple):
+    """A generator family: the module that serves it, and whether its samples are clips
+    (task.num_frames set) rather than images."""
+    module: str
+    video: bool = False
+
+
+FAMILIES = {  # a pipeline's class name -> its family
+    "StableDiffusion3Pipeline": Family("experts.sd3"),
+    "FluxPipeline": Family("experts.flux1"),
+    "Flux2KleinPipeline": Family("experts.flux2"),
+    "QwenImagePipeline": Family("experts.qwen_image"),
+    "WanPipeline": Family("experts.wan", video=True),
 }
-VIDEO = {"WanPipeline"}  # the families whose samples are clips (task.num_frames set), the others' images
 
 
 def pipeline_class(path: str) -> str:
@@ -44,4 +53,4 @@ def family_module(path: str):
     if found not in FAMILIES:
         raise ValueError(f"'{path}' holds a {found}; the generator families supported are "
                          f"{', '.join(FAMILIES)}")
-    return importlib.import_module(FAMILIES[found])
+    return importlib.import_module(FAMILIES[found].module)

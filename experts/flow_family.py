@@ -34,8 +34,16 @@ def split_negative(cond: dict) -> tuple[dict, dict]:
 class FamilyVelocity(nn.Module):
     """The trained transformer as v(x, sigma | cond) on the latent grid (B, *latent_shape), with
     classifier-free guidance when `cond` carries the empty prompt's conditioning. Subclasses define
-    `velocity(x, sigma, cond)` (one branch) and may override `guide` and `LORA_TARGETS`."""
+    `velocity(x, sigma, cond)` (one branch) and `conditioning` (what `cond` holds, for the memory
+    plan), and may override `guide` and `LORA_TARGETS`."""
     LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the joint attention's projections
+
+    @staticmethod
+    def conditioning(transformer: dict, model) -> tuple[dict, int]:
+        """The conditioning `velocity` reads, as ({name: (shape of one sample, dtype or None for the
+        model's)}, the text tokens it attends to), from the transformer's config and the model
+        section (experts/memory.py traces the velocity on inputs of these shapes)."""
+        raise NotImplementedError
 
     def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu")):
         super().__init__()

@@ -37,6 +37,12 @@ class Velocity(FamilyVelocity):
                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                     "ff_context.net.2"]
 
+    @staticmethod
+    def conditioning(transformer: dict, model) -> tuple[dict, int]:
+        """T5's tokens, CLIP's pooled embedding."""
+        return {"prompt_embeds": ((model.max_sequence_length, transformer["joint_attention_dim"]), None),
+                "pooled": ((transformer["pooled_projection_dim"],), None)}, model.max_sequence_length
+
     def velocity(self, x, sigma, cond) -> torch.Tensor:
         from diffusers import FluxPipeline
         dtype = self.transformer.dtype

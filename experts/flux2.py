@@ -37,6 +37,12 @@ class Velocity(FamilyVelocity):
     LORA_TARGETS = (r"(transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)"
                     r"|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out))")
 
+    @staticmethod
+    def conditioning(transformer: dict, model) -> tuple[dict, int]:
+        """Three Qwen3 layers side by side per token (joint_attention_dim)."""
+        return {"prompt_embeds": ((model.max_sequence_length, transformer["joint_attention_dim"]), None)}, \
+            model.max_sequence_length
+
     def velocity(self, x, sigma, cond) -> torch.Tensor:
         from diffusers import Flux2KleinPipeline
         dtype = self.transformer.dtype

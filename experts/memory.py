@@ -331,30 +331,6 @@ class GeneratorArchitecture:
         return math.prod(self.latent_shape)
 
 
-# per family: the conditioning its velocity reads, as {name: (shape of one sample, dtype or None for
-# the model's)} from the transformer's config and the model section; the text tokens it attends to
-CONDITIONING = {
-    # SD3: CLIP-L and CLIP-G's 77 tokens beside T5's, joint_attention_dim wide; the pooled CLIPs
-    "StableDiffusion3Pipeline": lambda c, m: ({"prompt_embeds": ((77 + m.max_sequence_length, c["joint_attention_dim"]),
-                                                                 None),
-                                               "pooled": ((c["pooled_projection_dim"],), None)},
-                                              77 + m.max_sequence_length),
-    # FLUX.1: T5's tokens, CLIP's pooled embedding
-    "FluxPipeline": lambda c, m: ({"prompt_embeds": ((m.max_sequence_length, c["joint_attention_dim"]), None),
-                                   "pooled": ((c["pooled_projection_dim"],), None)}, m.max_sequence_length),
-    # FLUX.2 klein: three Qwen3 layers side by side per token (joint_attention_dim)
-    "Flux2KleinPipeline": lambda c, m: ({"prompt_embeds": ((m.max_sequence_length, c["joint_attention_dim"]), None)},
-                                        m.max_sequence_length),
-    # Qwen-Image: Qwen2.5-VL's last hidden states and their mask (padded at most to max_sequence_length)
-    "QwenImagePipeline": lambda c, m: ({"prompt_embeds": ((m.max_sequence_length, c["joint_attention_dim"]), None),
-                                        "prompt_embeds_mask": ((m.max_sequence_length,), torch.bool)},
-                                       m.max_sequence_length),
-    # Wan: UMT5's last hidden states, zero-padded to max_sequence_length
-    "WanPipeline": lambda c, m: ({"prompt_embeds": ((m.max_sequence_length, c["text_dim"]), None)},
-                                 m.max_sequence_length),
-}
-
-
 def dtype_of(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
@@ -365,13 +341,13 @@ def _generator(path: str, revision: str | None, model_json: str, image_size: int
     from experts.families import FAMILIES
     folder = config_folder(path, revision)
     family = index_class(folder)
-    if family not in FAMILIES or family not in CONDITIONING:
+    if family not in FAMILIES:
         raise UnknownModel(f"'{path}' holds a {family}; the generator families supported are {', '.join(FAMILIES)}")
     size = f"{image_size}x{image_width or image_size}" + (f"x{num_frames}" if num_frames else "")
     return remembered("generator", GeneratorArchitecture, folder=folder,
                       inputs={"model": architecture_inputs(model_json), "image_size": image_size,
                               "image_width": image_width, "num_frames": num_frames},
-                      modules=[*TRACING, "experts.flow_family", FAMILIES[family]], what=f"generator {path} at {size}",
+                      modules=[*TRACING, "experts.flow_family", FAMILIES[family].module], what=f"generator {path} at {size}",
                       trace=lambda: _trace_generator(folder, family, model_json=model_json, image_size=image_size,
                                                      image_width=image_width, num_frames=num_frames))
 
@@ -381,7 +357,7 @@ def _trace_generator(folder: Path, family: str, *, model_json: str, image_size: 
     from experts.families import FAMILIES
     from experts.generator import DiffusersFlowConfig
     m = DiffusersFlowConfig.model_validate_json(model_json)
-    module = importlib.import_module(FAMILIES[family])
+    module = importlib.import_module(FAMILIES[family].module)
     parts = weighted_components(folder)
     built = {name: meta_component(folder / name, *spec) for name, spec in parts.items()}
     transformer = built.pop("transformer")
@@ -406,7 +382,7 @@ def _trace_generator(folder: Path, family: str, *, model_json: str, image_size: 
                                                            num_frames=num_frames))
     frontend.spec, frontend.vae = m, built["vae"]
     latent_shape = tuple(frontend.latent_grid(image_size))
-    shapes, text_tokens = CONDITIONING[family](dict(transformer.config), m)
+    shapes, text_tokens = module.Velocity.conditioning(dict(transformer.config), m)
 
     def inputs(batch: int):
         x = torch.empty((batch, *latent_shape), device=META)

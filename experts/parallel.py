@@ -15,6 +15,7 @@ torch.distributed.checkpoint (experts/state_file.py), from which any number of r
 from __future__ import annotations
 
 import datetime
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from experts.records import OptimizerShard
 from experts.weights import optimizer_arrays, optimizer_tensors
@@ -230,7 +230,7 @@ def whole_norm(norm: torch.Tensor) -> float:
     """The norm `clip_grad_norm_` returned, as the whole gradient's: under fsdp a DTensor over the
     sharded gradients (torch 2.13 returns it replicated, already reduced; one still partial is
     reduced here, every rank calling); under ddp every rank holds the summed gradient already."""
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return float(norm.full_tensor() if is_dtensor(norm) else norm)
 
 
 def stats_dtype(device: torch.device) -> torch.dtype:
@@ -265,14 +265,14 @@ def gathered(model: nn.Module, state: dict[str, torch.Tensor], *, by_unit: bool 
     the host: None."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     from torch.distributed.fsdp import FSDPModule
-    out = {k: v for k, v in state.items() if not isinstance(v, DTensor)}  # plain entries, as they are
+    out = {k: v for k, v in state.items() if not is_dtensor(v)}  # plain entries, as they are
     for prefix, unit in model.named_modules():
         if not by_unit or not isinstance(unit, FSDPModule):
             continue
         unit.unshard()  # its own parameters become whole plain tensors until `reshard`
         for name, p in unit.named_parameters(prefix=prefix):
             key = name.replace(_CHECKPOINT_PREFIX, "")
-            if key in state and key not in out and not isinstance(p, DTensor):
+            if key in state and key not in out and not is_dtensor(p):
                 out[key] = p.detach().to("cpu", copy=True) if keep else None
         unit.reshard()
     for k, v in state.items():  # the rest one tensor at a time: each an all-gather on every rank
@@ -282,14 +282,22 @@ def gathered(model: nn.Module, state: dict[str, torch.Tensor], *, by_unit: bool 
     return {k: out[k] for k in state} if keep else None
 
 
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor. None is until something imported torch.distributed.tensor (FSDP2
+    does, to shard a model), so a process that shards nothing never pays for its import (~1 s)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def sharded_like(whole: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`whole` tensors cut like the DTensors of `own` of the same name (each rank keeps its own
     shard, no communication); names whose `own` tensor is plain stay whole."""
+    from torch.distributed.tensor import distribute_tensor
     out = {}
     for k, v in whole.items():
         mine = own.get(k)
         out[k] = (distribute_tensor(v.to(mine.device), mine.device_mesh, mine.placements, src_data_rank=None)
-                  if isinstance(mine, DTensor) else v)
+                  if is_dtensor(mine) else v)
     return out
 
 
@@ -297,15 +305,17 @@ def optimizer_shard(optimizer: torch.optim.Optimizer, gang: Gang) -> OptimizerSh
     """This rank's part of the optimizer state: its shards of the moments as host arrays
     (`optimizer_arrays`), wherever the shards live."""
     state = optimizer.state_dict()
-    local = {pid: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entries.items()}
+    local = {pid: {k: v.to_local() if is_dtensor(v) else v for k, v in entries.items()}
              for pid, entries in state["state"].items()}
     return OptimizerShard(gang.rank, gang.ranks, optimizer_arrays({**state, "state": local}))
 
 
 def from_shard(shard: OptimizerShard, params: list[nn.Parameter]) -> dict:
     """An `optimizer_shard`'s state as the sharded `params`' optimizer holds it (same rank, same gang size)."""
+    from torch.distributed.tensor import DTensor
+
     def like(v, p):
-        if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0:
+        if is_dtensor(p) and isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0:
             return DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
         return v
     state = optimizer_tensors(shard.state)
@@ -325,7 +335,7 @@ def sharded_optimizer_state(state: dict, params: list[nn.Parameter]) -> dict:
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this process holds (local shards only)."""
     def size(t) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = t.to_local() if is_dtensor(t) else t
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
     params = list(model.parameters())
     return {"params": sum(size(p) for p in params),

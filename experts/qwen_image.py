@@ -45,6 +45,13 @@ class Velocity(FamilyVelocity):
     # the joint attention's projections, image and text stream (verl's Flow-GRPO for Qwen-Image adds the MLPs)
     LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
+    @staticmethod
+    def conditioning(transformer: dict, model) -> tuple[dict, int]:
+        """Qwen2.5-VL's last hidden states and their mask (padded at most to max_sequence_length)."""
+        tokens = model.max_sequence_length
+        return {"prompt_embeds": ((tokens, transformer["joint_attention_dim"]), None),
+                "prompt_embeds_mask": ((tokens,), torch.bool)}, tokens
+
     def velocity(self, x, sigma, cond) -> torch.Tensor:
         dtype = self.transformer.dtype
         batch, _, height, width = x.shape

@@ -14,6 +14,13 @@ from experts.flow_family import FamilyFrontEnd, FamilyVelocity
 
 
 class Velocity(FamilyVelocity):
+    @staticmethod
+    def conditioning(transformer: dict, model) -> tuple[dict, int]:
+        """CLIP-L and CLIP-G's 77 tokens beside T5's, joint_attention_dim wide; the pooled CLIPs."""
+        tokens = 77 + model.max_sequence_length
+        return {"prompt_embeds": ((tokens, transformer["joint_attention_dim"]), None),
+                "pooled": ((transformer["pooled_projection_dim"],), None)}, tokens
+
     def velocity(self, x, sigma, cond) -> torch.Tensor:
         dtype = self.transformer.dtype
         out = self.transformer(hidden_states=x.to(dtype), timestep=sigma.float() * 1000.0,  # the pipeline's t

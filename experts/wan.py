@@ -103,6 +103,12 @@ class Velocity(FamilyVelocity):
     # what a velocity built without __init__ (the memory plan's, on the meta device) reads
     expand_timesteps, num_train_timesteps, boundary, part = False, 1000, None, "both"
 
+    @staticmethod
+    def conditioning(transformer: dict, model) -> tuple[dict, int]:
+        """UMT5's last hidden states, zero-padded to max_sequence_length."""
+        return {"prompt_embeds": ((model.max_sequence_length, transformer["text_dim"]), None)}, \
+            model.max_sequence_length
+
     def __init__(self, spec, seed: int, device: torch.device = torch.device("cpu"), part: str = "both"):
         """`seed`: the LoRA adapters' (transformer_2's is seed + 1), the same for every part, so that
         two experts start from the very adapters one expert training both starts from."""
