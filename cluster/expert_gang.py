@@ -89,10 +89,11 @@ class ExpertGang:
         checked the gang whole (`check`) before asking."""
         return [r.update.remote(step, version, *inputs) for r in self.ranks]
 
-    def snapshot(self, with_optimizer: bool = True) -> tuple[Snapshot, list]:
-        """(the expert's snapshot as ObjectRefs: the leader's weights and info, and if sharded every
-        rank's optimizer shard, unless `with_optimizer` is False; the other ranks' calls to await)."""
-        calls = [r.snapshot.options(num_returns=3).remote(with_optimizer) for r in self.ranks]
+    def snapshot(self, with_optimizer: bool = True, with_weights: bool = True) -> tuple[Snapshot, list]:
+        """(the expert's snapshot as ObjectRefs: the leader's weights (unless `with_weights` is
+        False) and info, and if sharded every rank's optimizer shard (unless `with_optimizer` is
+        False); the other ranks' calls to await)."""
+        calls = [r.snapshot.options(num_returns=3).remote(with_optimizer, with_weights) for r in self.ranks]
         weights, optimizer, info = calls[0]
         if self.sharded and with_optimizer:
             optimizer = ShardedOptimizer([call[1] for call in calls])

@@ -1,10 +1,10 @@
 """`ExpertGroup`: the run's experts as the driver sees them — spawned, their snapshots in the
 driver's custody, each update applied exactly once, each new version published to the workers.
 
-After every update the group keeps each expert's snapshot (weights and info; the optimizer state
-too after every `cluster.optimizer_snapshot_every` updates and at checkpoints) as ObjectRefs it
-owns, on the driver's node, with the inputs of the updates since its last snapshot with optimizer
-state. A killed expert is restarted by Ray, restored from that snapshot, made to apply the kept
+After every update the group keeps each expert's snapshot (info, and the weights where rollout
+workers are given them; weights and optimizer state after every `cluster.optimizer_snapshot_every`
+updates and at checkpoints) as ObjectRefs it owns, on the driver's node, with the inputs of the
+updates since its last snapshot with optimizer state. A killed expert is restarted by Ray, restored from that snapshot, made to apply the kept
 updates again (the same state, inputs and code compute the same update) and given the step's update
 again; an update names the version it starts from, so a restarted instance refuses instead of
 silently starting over. An expert of several ranks is driven
@@ -84,10 +84,10 @@ class ExpertGroup:
             self.gangs[e].start()
         return self.take_snapshot(e)
 
-    def take_snapshot(self, e: str) -> Snapshot:
+    def take_snapshot(self, e: str, *, with_optimizer: bool = True) -> Snapshot:
         """Expert `e`'s snapshot now, kept on the driver's node."""
         self.nodes[e] = get(self.handles[e].node.remote())
-        made, others = self.gangs[e].snapshot()
+        made, others = self.gangs[e].snapshot(with_optimizer=with_optimizer)
         get(others)
         snapshot = self.keep(made, e)
         get(snapshot.info)
@@ -163,8 +163,9 @@ class ExpertGroup:
         due), submitted: (the update's refs, the snapshot, the other ranks' snapshot calls, the
         update's inputs)."""
         inputs = self.kinds[e].update_inputs(advantages, rollout.refined, rollout.outputs_for(e))
-        return (self.gangs[e].update(step, self.versions[e], *inputs), *self.gangs[e].snapshot(self.base_due(e)),
-                inputs)
+        base = self.base_due(e)
+        return (self.gangs[e].update(step, self.versions[e], *inputs),
+                *self.gangs[e].snapshot(with_optimizer=base, with_weights=base or bool(self.workers)), inputs)
 
     def base_due(self, e: str) -> bool:
         """Whether expert `e`'s next snapshot takes its optimizer state (cluster.optimizer_snapshot_every)."""
@@ -214,15 +215,16 @@ class ExpertGroup:
 
     def replay(self, e: str) -> None:
         """The updates expert `e` applied since its last snapshot with optimizer state, made again in
-        order from their kept inputs, then checked against its latest snapshot's fingerprint. Where
-        they differ (kernels that do not repeat bit for bit, as some GPU ones), the latest weights are
+        order from their kept inputs, then checked against its latest snapshot's fingerprint (where
+        workers are served: without them a snapshot between has no weights to check). Where they
+        differ (kernels that do not repeat bit for bit, as some GPU ones), the latest weights are
         loaded over them, the replayed optimizer moments kept, and a warning says so."""
         if not self.replays[e]:
             return
         self.faults.replayed_updates += len(self.replays[e])
         for update in self.replays[e]:
             get(self.gangs[e].update(update.step, update.version, *update.inputs))
-        made, others = self.gangs[e].snapshot(with_optimizer=False)
+        made, others = self.gangs[e].snapshot(with_optimizer=False, with_weights=bool(self.workers))
         get(others)
         replayed, latest = get([made.info, self.snapshots[e].info])
         if replayed != latest:
@@ -246,16 +248,31 @@ class ExpertGroup:
         fetch; a sharded expert's optimizer as its ranks write it (they hold that snapshot's state:
         checkpoints come between steps), a list of each rank's ShardFiles, its files written
         straight into the checkpoint's temporary folder `staging` by the ranks on this node. An
-        expert whose latest snapshot lacks its optimizer state takes one with it first."""
+        expert whose latest snapshot lacks its optimizer state (or weights) takes them first."""
         for e in self.ids:
-            if self.replays[e] and not self.gangs[e].sharded:
-                self.snapshots[e] = self.bases[e] = self.retry(
-                    partial(self.take_snapshot, e), recover=partial(self.restore, e),
-                    retried=(SnapshotLost, GangBroken), name=f"{e}'s snapshot", counter="expert_restarts")
-                self.replays[e] = []
+            if self.replays[e] and (not self.gangs[e].sharded or not self.workers):
+                self.current_snapshot(e)
         return {e: Snapshot(s.weights, self.optimizer_files(e, staging / f"{e}{SHARDS}")
-                            if isinstance(s.optimizer, ShardedOptimizer) else s.optimizer, s.info)
+                            if self.gangs[e].sharded else s.optimizer, s.info)
                 for e, s in self.snapshots.items()}
+
+    def current_snapshot(self, e: str) -> Snapshot:
+        """Expert `e`'s snapshot of its version now, with its weights and, unless its ranks write
+        their optimizer shards themselves (sharded), its optimizer state: the new base of later
+        restores."""
+        sharded = self.gangs[e].sharded
+        self.snapshots[e] = self.retry(partial(self.take_snapshot, e, with_optimizer=not sharded),
+                                       recover=partial(self.restore, e), retried=(SnapshotLost, GangBroken),
+                                       name=f"{e}'s snapshot", counter="expert_restarts")
+        if not sharded:
+            self.bases[e], self.replays[e] = self.snapshots[e], []
+        return self.snapshots[e]
+
+    def latest_weights(self, e: str):
+        """The weights of expert `e`'s version now, as an ObjectRef (taken now where its latest
+        snapshot holds none)."""
+        held = self.workers or not self.replays[e]  # a snapshot holds weights if it is a base or is published
+        return self.snapshots[e].weights if held else self.current_snapshot(e).weights
 
     def optimizer_files(self, e: str, into: Path) -> list[ShardFiles]:
         """Sharded expert `e`'s optimizer state as its ranks write it (`ExpertGang.optimizer_files`);

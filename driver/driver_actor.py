@@ -194,4 +194,4 @@ class DriverActor:
     def expert_weights(self, expert_id: str):
         """The weights of `expert_id`'s latest snapshot (what was last published), as a reference
         for the caller to fetch (`get` of this call's result, then of what it holds)."""
-        return self.experts.snapshots[expert_id].weights
+        return self.experts.latest_weights(expert_id)

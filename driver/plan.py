@@ -502,8 +502,8 @@ def driver_actor(config: Config, actors: list[ActorPlan]) -> ActorPlan:
     """The driver keeps every trained expert's latest snapshot with optimizer state in the object
     store on its node (cluster/expert_group.py): its synced weights (the adapter under LoRA) and
     AdamW moments, in fp32, and where that snapshot is older than the latest version
-    (cluster.optimizer_snapshot_every > 1) the latest weights too; a sharded expert's moments stay
-    on its ranks' nodes (host memory all the same)."""
+    (cluster.optimizer_snapshot_every > 1) the latest weights too, if rollout workers are given them;
+    a sharded expert's moments stay on its ranks' nodes (host memory all the same)."""
     parts = {}
     for a in actors:
         if a.name.startswith("expert/") and "/rank" not in a.name and "trained params (fp32)" in a.bytes:
@@ -511,7 +511,7 @@ def driver_actor(config: Config, actors: list[ActorPlan]) -> ActorPlan:
             shard = ranks if config.expert(a.name.split("/")[1]).parallel.strategy == "fsdp" else 1
             parts[f"snapshot of {a.name} (object store)"] = (a.bytes["trained params (fp32)"]
                                                               + a.bytes["optimizer (fp32 AdamW moments)"]) * shard
-            if config.cluster.optimizer_snapshot_every > 1:
+            if config.cluster.optimizer_snapshot_every > 1 and not LAYOUTS[config.cluster.layout].experts_roll_out:
                 parts[f"latest weights of {a.name} (object store)"] = a.bytes["trained params (fp32)"] * shard
     return ActorPlan("driver", "always", False, {}, parts)
 
@@ -622,7 +622,9 @@ def plan_for(config: Config, target: Target) -> Plan:
     idle = {phase: [g.id for g in gpus if not any(actors[n].phase in (phase, "always") for n in g.actors)]
             for phase in ("rollout", "update")}
     generator = actors["expert/generator"].bytes
-    in_store = generator.get("trajectories (one step)", 0)  # the rollouts' outputs wait in the object store
+    # the rollouts' outputs wait in the object store, and those of the updates since an expert's last
+    # snapshot with optimizer state are kept there to replay (cluster.optimizer_snapshot_every)
+    in_store = generator.get("trajectories (one step)", 0) * config.cluster.optimizer_snapshot_every
     host = sum(a.total for a in actors.values() if not a.wants_gpu) + in_store
     return Plan(target, actors, gpus, idle, host)
 
@@ -651,8 +653,8 @@ def report(plan: Plan) -> str:
                      + ("; params " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in a.params.items() if v) if a.params else ""))
         lines += [f"    {part}: {b / GB:.3f} GB" for part, b in a.bytes.items() if b]
         lines += [f"    ({note})" for note in a.notes]
-    lines.append(f"\nhost memory: {plan.host_bytes / GB:.2f} GB (the actors without a GPU, and one step's "
-                 f"trajectories in the object store)")
+    lines.append(f"\nhost memory: {plan.host_bytes / GB:.2f} GB (the actors without a GPU, and the steps' "
+                 f"trajectories in the object store: one step's, and those kept to replay updates)")
     return "\n".join(lines)
 
 

@@ -110,17 +110,19 @@ class Expert:
                 raise GangBroken(f"{self.expert_id} rank {self.gang.rank}: {what} lost a peer ({e})") from e
             raise
 
-    def snapshot(self, with_optimizer: bool = True) -> Snapshot:
+    def snapshot(self, with_optimizer: bool = True, with_weights: bool = True) -> Snapshot:
         """Everything that restores this expert exactly, with the weights' fingerprint (every worker
         checks it); every array in it on the host, wherever the model lives. `with_optimizer`=False
-        leaves the optimizer state out (None): the weights and info of a version, to publish."""
+        leaves the optimizer state out (None): the weights and info of a version, to publish;
+        `with_weights`=False the weights too (and their fingerprint): a version's info alone."""
         with self.among_peers("a snapshot"):
-            weights = self.weights()
+            weights = self.weights() if with_weights else None
         optimizer = None if not with_optimizer else parallel.optimizer_shard(self.optimizer, self.gang) \
             if self.sharded else optimizer_arrays(self.optimizer.state_dict(), self.private)
-        if weights is None:  # not the leader
+        if self.gang is not None and not self.gang.leader:
             return Snapshot(None, optimizer if self.sharded else None, self.info())
-        return Snapshot(weights, optimizer, ExpertInfo(self.version, self.last_step, fingerprint(weights)))
+        return Snapshot(weights, optimizer, ExpertInfo(self.version, self.last_step,
+                                                       None if weights is None else fingerprint(weights)))
 
     def restore(self, weights: dict, optimizer: dict | OptimizerShard | None, info: ExpertInfo) -> ExpertInfo:
         """Back to a snapshot or checkpoint: weights, optimizer moments (whole, or this rank's shard

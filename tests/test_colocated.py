@@ -79,14 +79,17 @@ def test_on_ray_ddp_and_fsdp_ranks_roll_out_with_the_separate_metrics_and_surviv
         ray_session, tmp_path, one_thread):
     """A refiner on two ddp ranks and the generator on two fsdp ranks (each gathered whole for
     its rollout), the generator's leader killed mid-run: its gang is restored from the last snapshot
-    and the step's rollout and update are made once; the metrics are the one-process separate run's."""
+    and the step's rollout and update are made once; the metrics are the one-process separate run's.
+    The optimizer state is kept every second update only (cluster.optimizer_snapshot_every=2; the
+    snapshots between hold no weights either, as no worker is served): the killed gang is restored
+    from its first snapshot and replays the update since."""
     common = ("experts.generator.kl_beta=0.05", "algorithm.credit=counterfactual", "trainer.steps=2")
     separate = run_training(make_config("cluster.mode=inline", "experts.n_refiners=1", *common,
                                         preset="shapes-tiny"), tmp_path / "separate")[0]
-    rows, info = run_killing(make_config("cluster.layout=colocated", *GANGS, *common, preset="shapes-tiny"),
-                             tmp_path / "colocated", KILLS)
+    rows, info = run_killing(make_config("cluster.layout=colocated", "cluster.optimizer_snapshot_every=2", *GANGS,
+                                         *common, preset="shapes-tiny"), tmp_path / "colocated", KILLS)
     assert_same_training(rows, separate, tol=1e-5)
-    assert rows[-1]["faults/expert_restarts"] == len(KILLS)
+    assert rows[-1]["faults/expert_restarts"] == len(KILLS) and rows[-1]["faults/replayed_updates"] > 0
     assert [r["version/generator"] for r in rows] == [1, 2] and {r["sync/via"] for r in rows} == {"none"}
     assert info["snapshots"]["generator"] == {"version": 2, "last_step": 1} and info["workers"] == []
 
@@ -104,9 +107,10 @@ def resumed(run_dir, tmp_path, name: str, *overrides: str) -> list[dict]:
 def test_a_checkpoint_resumes_in_either_layout_to_the_uninterrupted_metrics(tmp_path, one_thread):
     """A colocated run resumed colocated, and each layout's checkpoint resumed in the other, end
     with the uninterrupted run's metrics (the optimizer state and versions restored); shared
-    credit and one refiner (the combinations above cover the other credits and counts)."""
+    credit and one refiner (the combinations above cover the other credits and counts). The optimizer
+    state is kept every second update only, so each checkpoint takes it (and, colocated, the weights)."""
     common = ("cluster.mode=inline", "trainer.checkpoint_every=1", "experts.generator.kl_beta=0.05",
-              "algorithm.credit=shared", "experts.n_refiners=1")
+              "algorithm.credit=shared", "experts.n_refiners=1", "cluster.optimizer_snapshot_every=2")
     runs = {}
     for layout in ("separate", "colocated"):
         rows, _, _ = run_training(make_config(*common, f"cluster.layout={layout}", preset="shapes-tiny"),
