@@ -2,8 +2,10 @@
 with the optimizer state snapshotted after every update or every N-th.
 
 A widened tiny full fine-tune: the shapes world's generator at `--d-model` x `--layers` (fp32),
-trained on two fsdp ranks beside the tiny refiners, on a local Ray of this machine. Each setting of
-`cluster.optimizer_snapshot_every` runs `--steps` steps in a fresh process. Reported per setting:
+trained on two fsdp ranks beside the tiny refiners, on a local Ray of this machine, in each layout
+(`--layouts`: separate, with one rollout worker the versions are published to; colocated, where
+the generator's ranks roll out and nothing is published). Each setting of
+`cluster.optimizer_snapshot_every` runs `--steps` steps in a fresh process. Reported per run:
 - the bytes Ray created in its object store over the run (its raylet's `cumulative_created_bytes`:
   every put and every returned object, snapshots and rollouts alike), in all and per step;
 - the peak resident memory (VmHWM) of the driver actor's process and of the largest expert rank's,
@@ -11,7 +13,8 @@ trained on two fsdp ranks beside the tiny refiners, on a local Ray of this machi
 - the run's final metrics, which must not differ between the settings (the snapshot cadence changes
   what is kept, not what is computed).
 
-    python bench/store_traffic.py [--d-model 384] [--layers 4] [--steps 6] [--every 1 3] [--out FILE]
+    python bench/store_traffic.py [--d-model 384] [--layers 4] [--steps 8] [--every 1 4]
+                                  [--layouts separate colocated] [--out FILE]
 """
 from __future__ import annotations
 
@@ -96,29 +99,33 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--d-model", type=int, default=384, help="the generator's width")
     p.add_argument("--layers", type=int, default=4, help="the generator's transformer blocks")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--every", type=int, nargs="+", default=[1, 3], help="cluster.optimizer_snapshot_every values")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--every", type=int, nargs="+", default=[1, 4], help="cluster.optimizer_snapshot_every values")
+    p.add_argument("--layouts", nargs="+", choices=["separate", "colocated"], default=["separate", "colocated"])
     p.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
     args = p.parse_args()
     base = [f"trainer.steps={args.steps}", "trainer.checkpoint_every_s=0", "cluster.mode=ray",
             f"experts.generator.model.d_model={args.d_model}", f"experts.generator.model.n_layers={args.layers}",
             "experts.generator.parallel.ranks=2", "experts.generator.parallel.strategy=fsdp"]
     lines = [f"`python bench/store_traffic.py --d-model {args.d_model} --layers {args.layers} --steps {args.steps} "
-             f"--every {' '.join(map(str, args.every))}` (shapes-tiny, the generator widened, 2 fsdp ranks, "
-             f"a local Ray of 2 CPUs)", "",
-             "| optimizer_snapshot_every | store bytes, all (MB) | per step (MB) | driver peak RSS (MB) | "
-             "largest expert rank peak RSS (MB) |", "|---|---|---|---|---|"]
-    finals = {}
-    for every in args.every:
-        r = measure([*base, f"cluster.optimizer_snapshot_every={every}"])
-        if r["code"] != 0 or r["steps"] != args.steps:
-            sys.exit(f"bench: optimizer_snapshot_every={every}: exit {r['code']}, {r['steps']} steps")
-        finals[every] = r["last"]
-        lines.append(f"| {every} | {r['created'] / MB:.0f} | {r['created'] / MB / args.steps:.1f} | "
-                     f"{r['driver'] / MB:.0f} | {r['expert'] / MB:.0f} |")
-        print(lines[-1], flush=True)
-    same = all(f == finals[args.every[0]] for f in finals.values())
-    lines += ["", f"Final metrics (losses, rewards, versions, gradient norms) equal across settings: {same}"]
+             f"--every {' '.join(map(str, args.every))} --layouts {' '.join(args.layouts)}` (shapes-tiny, the "
+             f"generator widened to {args.d_model} x {args.layers} blocks, 2 fsdp ranks, a local Ray of 2 CPUs)", "",
+             "| layout | optimizer_snapshot_every | store bytes, all (MB) | per step (MB) | driver peak RSS (MB) | "
+             "largest expert rank peak RSS (MB) |", "|---|---|---|---|---|---|"]
+    same = True
+    for layout in args.layouts:
+        finals = {}
+        for every in args.every:
+            r = measure([*base, f"cluster.layout={layout}", f"cluster.optimizer_snapshot_every={every}"])
+            if r["code"] != 0 or r["steps"] != args.steps:
+                sys.exit(f"bench: {layout}, optimizer_snapshot_every={every}: exit {r['code']}, {r['steps']} steps")
+            finals[every] = r["last"]
+            lines.append(f"| {layout} | {every} | {r['created'] / MB:.0f} | {r['created'] / MB / args.steps:.1f} | "
+                         f"{r['driver'] / MB:.0f} | {r['expert'] / MB:.0f} |")
+            print(lines[-1], flush=True)
+        same &= all(f == finals[args.every[0]] for f in finals.values())
+    lines += ["", f"Final metrics (losses, rewards, versions, gradient norms) equal across the settings of each "
+                  f"layout: {same}"]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
