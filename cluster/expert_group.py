@@ -4,11 +4,11 @@ driver's custody, each update applied exactly once, each new version published t
 After every update the group keeps each expert's snapshot (info, and the weights where rollout
 workers are given them; weights and optimizer state after every `cluster.optimizer_snapshot_every`
 updates and at checkpoints) as ObjectRefs it owns, on the driver's node, with the inputs of the
-updates since its last snapshot with optimizer state. A killed expert is restarted by Ray, restored from that snapshot, made to apply the kept
-updates again (the same state, inputs and code compute the same update) and given the step's update
-again; an update names the version it starts from, so a restarted instance refuses instead of
-silently starting over. An expert of several ranks is driven
-as one through its gang (cluster/expert_gang.py): any of its ranks killed, the whole gang is formed
+updates since its last snapshot with optimizer state. A killed expert is restarted by Ray, restored
+from that snapshot, made to apply the kept updates again (the same state, inputs and code compute
+the same update) and given the step's update again; an update names the version it starts from,
+so a restarted instance refuses instead of silently starting over. An expert of several ranks is
+driven as one through its gang (cluster/expert_gang.py): any of its ranks killed, the whole gang is formed
 again and restored. A killed weight-sync actor or worker during a publish is survived by delivering
 every published version again.
 """
@@ -215,18 +215,19 @@ class ExpertGroup:
 
     def replay(self, e: str) -> None:
         """The updates expert `e` applied since its last snapshot with optimizer state, made again in
-        order from their kept inputs, then checked against its latest snapshot's fingerprint (where
-        workers are served: without them a snapshot between has no weights to check). Where they
-        differ (kernels that do not repeat bit for bit, as some GPU ones), the latest weights are
-        loaded over them, the replayed optimizer moments kept, and a warning says so."""
+        order from their kept inputs, then checked against its latest snapshot's fingerprint (by
+        version alone where that snapshot holds no weights). Where they differ (kernels that do not
+        repeat bit for bit, as some GPU ones), the latest weights are loaded over them, the replayed
+        optimizer moments kept, and a warning says so."""
         if not self.replays[e]:
             return
         self.faults.replayed_updates += len(self.replays[e])
         for update in self.replays[e]:
             get(self.gangs[e].update(update.step, update.version, *update.inputs))
-        made, others = self.gangs[e].snapshot(with_optimizer=False, with_weights=bool(self.workers))
+        latest = get(self.snapshots[e].info)
+        made, others = self.gangs[e].snapshot(with_optimizer=False, with_weights=latest.checksum is not None)
         get(others)
-        replayed, latest = get([made.info, self.snapshots[e].info])
+        replayed = get(made.info)
         if replayed != latest:
             LOG.warning("%s: %d updates made again from its last optimizer snapshot end at %s, not %s (the "
                         "kernels do not repeat exactly): the latest weights are loaded, the optimizer state "
