@@ -24,11 +24,14 @@ from tests.conftest import assert_same_training, make_config, run_killing, run_t
 from tests.driver_watch import watch_driver, watched
 
 STEPS = 6
+# One refiner beside the generator: lags are per expert whatever their number, and each further
+# refiner is one more actor process to start.
+EXPERTS = ("refiner_0", "generator")
 
 
 def config(*extra, mode="ray", workers=2, staleness=1):
     return make_config(f"trainer.steps={STEPS}", f"cluster.max_staleness={staleness}", f"cluster.mode={mode}",
-                       f"cluster.rollout_workers={workers}", *extra, preset="shapes-tiny")
+                       f"cluster.rollout_workers={workers}", "experts.n_refiners=1", *extra, preset="shapes-tiny")
 
 
 def read_rows(run_dir):
@@ -69,13 +72,13 @@ def test_the_driver_forwards_snapshots_and_never_deserializes_a_tensor(async_ray
     references the driver holds: the driver fetched none of its snapshots' weights or optimizer
     states, and rebuilt no tensor at all, yet every checkpoint is whole."""
     rows, _, watched, run_dir, final = async_ray_run
-    assert len(watched["snapshots"]) == 2 * 4 * STEPS  # a weights and an optimizer ref per expert per update
+    assert len(watched["snapshots"]) == 2 * len(EXPERTS) * STEPS  # a weights and an optimizer ref per expert per update
     assert not watched["fetched"] & watched["snapshots"]
     assert watched["tensors"] == 0
     manifest = checkpoint.manifest(run_dir / "checkpoints" / "step_000002")  # verified against its hashes
-    assert manifest["in_flight"] == {"2": {"refiner_0": 1, "refiner_1": 1, "refiner_2": 1, "generator": 1}}
+    assert manifest["in_flight"] == {"2": {e: 1 for e in EXPERTS}}
     last = run_dir / "checkpoints" / f"step_{STEPS:06d}"
-    assert checkpoint.verify(last, ["refiner_0", "refiner_1", "refiner_2", "generator"]) == STEPS
+    assert checkpoint.verify(last, list(EXPERTS)) == STEPS
     snapshot = state_file.read(last, "generator")
     assert snapshot.optimizer["state"] and snapshot.info.version == STEPS
     for e, weights in final.items():
@@ -89,7 +92,7 @@ def test_async_inline_equals_ray_and_every_sample_lags_one_version(async_ray_run
     assert_same_training(inline, rows)
     for r in rows:
         lag = 0 if r["step"] == 0 else 1  # step 0's rollout was made before any update
-        assert all(r[f"staleness/{e}"] == lag for e in ("refiner_0", "refiner_1", "refiner_2", "generator"))
+        assert all(r[f"staleness/{e}"] == lag for e in EXPERTS)
         assert r["staleness/dropped_samples"] == 0
         assert r["version/generator"] == r["step"] + 1
         assert r["time/rollout_s"] > 0 and r["time/update_s"] > 0 and r["time/idle_s"] >= 0
@@ -110,12 +113,12 @@ def test_resume_with_a_rollout_in_flight_equals_the_uninterrupted_run(async_ray_
     reference, *_ = async_ray_run
     full = tmp_path / "full"
     assert cli.main(["train", "--config", "shapes-tiny", "--run-dir", str(full), "--set", "cluster.mode=inline",
-                     "--set", f"trainer.steps={STEPS}", "--set", "cluster.max_staleness=1",
+                     "--set", "experts.n_refiners=1", "--set", f"trainer.steps={STEPS}", "--set", "cluster.max_staleness=1",
                      "--set", "trainer.checkpoint_every=2", "--set", "trainer.keep_checkpoints=3"]) == 0
     assert_same_training(read_rows(full), reference)
     # step 2's rollout was in flight at checkpoint 2, made with every expert's version 1
     manifest = checkpoint.manifest(full / "checkpoints" / "step_000002")
-    assert manifest["in_flight"] == {"2": {"refiner_0": 1, "refiner_1": 1, "refiner_2": 1, "generator": 1}}
+    assert manifest["in_flight"] == {"2": {e: 1 for e in EXPERTS}}
     assert manifest["versions"]["generator"] == 2
     assert checkpoint.manifest(full / "checkpoints" / "step_000006")["in_flight"] == {}
     stopped = tmp_path / "stopped"

@@ -13,7 +13,10 @@ STEPS = 5
 
 
 def config(*extra):
-    return make_config(f"trainer.steps={STEPS}", "cluster.rollout_workers=2", *extra, preset="shapes-tiny")
+    """Two workers and two experts (one refiner: a further one is one more process, and one more
+    version in the same broadcast)."""
+    return make_config(f"trainer.steps={STEPS}", "cluster.rollout_workers=2", "experts.n_refiners=1", *extra,
+                       preset="shapes-tiny")
 
 
 def test_one_byte_buffer_round_trips_every_dtype_as_aligned_views():

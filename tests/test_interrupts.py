@@ -21,6 +21,9 @@ pytestmark = pytest.mark.cluster  # its tests start the command in a process of 
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
+# The runs here have one refiner: a signal is handled the same whatever the number of experts, and
+# each refiner is one more process to start (every kind of actor is still there).
+TINY = ("--config", "shapes-tiny", "--set", "experts.n_refiners=1")
 
 
 def start(*args: str) -> subprocess.Popen:
@@ -61,7 +64,8 @@ def signal_to(proc: subprocess.Popen, target: str, sig: int) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The reference: the same run, never stopped, in-process."""
-    got, _, _ = run_training(make_config(f"trainer.steps={STEPS}", "cluster.mode=inline", preset="shapes-tiny"),
+    got, _, _ = run_training(make_config(f"trainer.steps={STEPS}", "cluster.mode=inline", "experts.n_refiners=1",
+                                         preset="shapes-tiny"),
                              tmp_path_factory.mktemp("reference"))
     return got
 
@@ -76,7 +80,7 @@ def test_a_signal_checkpoints_the_step_under_way_and_the_resumed_run_equals_the_
     step under way (in ray mode also the next, where the step ended within the 0.1 s the command
     takes to pass the stop on), checkpoints it, and exits 128 + the signal's number."""
     run_dir = tmp_path / "run"
-    proc = start("train", "--config", "shapes-tiny", "--set", f"trainer.steps={STEPS}", "--set",
+    proc = start("train", *TINY, "--set", f"trainer.steps={STEPS}", "--set",
                  f"cluster.mode={mode}", "--run-dir", str(run_dir))
     wait_for_rows(proc, run_dir, 2)
     under_way = len(rows(run_dir))
@@ -96,7 +100,7 @@ def test_a_signal_checkpoints_the_step_under_way_and_the_resumed_run_equals_the_
 
 def test_a_second_interrupt_stops_at_once(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start("train", "--config", "shapes-tiny", "--set", "trainer.steps=200", "--set", "cluster.mode=inline",
+    proc = start("train", *TINY, "--set", "trainer.steps=200", "--set", "cluster.mode=inline",
                  "--run-dir", str(run_dir))
     wait_for_rows(proc, run_dir, 1)
     proc.send_signal(signal.SIGINT)
@@ -112,7 +116,7 @@ def test_a_second_signal_to_the_group_while_the_run_checkpoints_leaves_every_che
     that exists verifies, and one that was cut short is a temporary folder no resume reads."""
     from driver import checkpoint
     run_dir = tmp_path / "run"
-    proc = start("train", "--config", "shapes-tiny", "--set", "trainer.steps=200", "--set",
+    proc = start("train", *TINY, "--set", "trainer.steps=200", "--set",
                  "trainer.checkpoint_every=1", "--run-dir", str(run_dir))
     wait_for_rows(proc, run_dir, 3)
     os.killpg(proc.pid, signal.SIGTERM)
@@ -159,7 +163,7 @@ def test_when_ray_ends_before_the_stops_checkpoint_one_line_names_the_last_check
     checkpoint cannot be written; the line says so, names the last one written and its step, and
     the exit status says the run was stopped."""
     run_dir = tmp_path / "run"
-    proc = start("train", "--config", "shapes-tiny", "--set", "trainer.steps=200", "--set",
+    proc = start("train", *TINY, "--set", "trainer.steps=200", "--set",
                  "trainer.checkpoint_every=2", "--run-dir", str(run_dir))
     wait_for_rows(proc, run_dir, 3)
     proc.send_signal(signal.SIGTERM)
@@ -185,7 +189,7 @@ def test_a_signal_while_the_run_starts_leaves_it_resumable_or_untouched_and_says
     either holding a checkpoint of step 0 (it resumes) or nothing of a run (the same command
     starts it again); never a folder that is neither."""
     run_dir = tmp_path / "run"
-    args = ["train", "--config", "shapes-tiny", "--set", "trainer.steps=2", "--set", f"cluster.mode={mode}",
+    args = ["train", *TINY, "--set", "trainer.steps=2", "--set", f"cluster.mode={mode}",
             "--run-dir", str(run_dir)]
     proc = start(*args)
     assert proc.stdout.readline().startswith("jointrl: run ")
@@ -243,10 +247,10 @@ def test_a_second_signal_during_a_ray_get_exits_with_that_signals_status(ray_ses
 
 def test_one_run_per_folder(tmp_path):
     run_dir = tmp_path / "run"
-    first = start("train", "--config", "shapes-tiny", "--set", "trainer.steps=200", "--set", "cluster.mode=inline",
+    first = start("train", *TINY, "--set", "trainer.steps=200", "--set", "cluster.mode=inline",
                   "--run-dir", str(run_dir))
     wait_for_rows(first, run_dir, 1)
-    second = start("train", "--config", "shapes-tiny", "--set", "cluster.mode=inline", "--run-dir", str(run_dir))
+    second = start("train", *TINY, "--set", "cluster.mode=inline", "--run-dir", str(run_dir))
     _, err = second.communicate(timeout=60)
     assert second.returncode == 2 and f"in use by another run (pid {first.pid} on " in err, err
     resume = start("train", "--resume", str(run_dir))
@@ -255,7 +259,7 @@ def test_one_run_per_folder(tmp_path):
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=60)
     assert first.returncode == 143
-    again = start("train", "--config", "shapes-tiny", "--set", "cluster.mode=inline", "--run-dir", str(run_dir))
+    again = start("train", *TINY, "--set", "cluster.mode=inline", "--run-dir", str(run_dir))
     _, err = again.communicate(timeout=60)
     assert again.returncode == 2 and "already holds" in err and f"--resume {run_dir}" in err, err
 

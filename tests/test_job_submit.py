@@ -20,6 +20,9 @@ pytestmark = pytest.mark.cluster  # its tests start the command in a process of 
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_STEPS = 2
+# The jobs train one refiner: how a job is submitted, stopped or attached does not depend on the
+# number of experts, and each refiner is one more actor process to start.
+TINY = "--config shapes-tiny --set experts.n_refiners=1"
 
 
 def free_port() -> int:
@@ -113,8 +116,7 @@ def test_a_submitted_job_trains_and_writes_its_metrics(head, tmp_path):
     from ray.job_submission import JobStatus
     run_dir = tmp_path / "job-run"
     client = head["client"]
-    job = submit(client, f"python -m driver train --config shapes-tiny --set trainer.steps={JOB_STEPS} "
-                          f"--run-dir {run_dir}")
+    job = submit(client, f"python -m driver train {TINY} --set trainer.steps={JOB_STEPS} --run-dir {run_dir}")
     deadline = time.monotonic() + 300
     while (status := client.get_job_status(job)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
         assert time.monotonic() < deadline, client.get_job_logs(job)[-3000:]
@@ -131,7 +133,7 @@ def test_a_submitted_job_trains_and_writes_its_metrics(head, tmp_path):
 def test_ray_job_stop_checkpoints_the_last_completed_step(head, tmp_path):
     from ray.job_submission import JobStatus
     run_dir, client = tmp_path / "stopped-job", head["client"]
-    job = submit(client, f"python -m driver train --config shapes-tiny --set trainer.steps=500 --run-dir {run_dir}")
+    job = submit(client, f"python -m driver train {TINY} --set trainer.steps=500 --run-dir {run_dir}")
     deadline = time.monotonic() + 300
     while not (run_dir / "metrics.jsonl").is_file() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 2:
         assert time.monotonic() < deadline and client.get_job_status(job) in {JobStatus.PENDING, JobStatus.RUNNING}, \
@@ -171,8 +173,8 @@ def test_a_run_attached_to_a_cluster_stops_on_a_signal_to_its_group_and_checkpoi
     stops the run after the step under way and checkpoints it."""
     run_dir = tmp_path / "attached"
     env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{head['gcs_port']}", "RAY_AUTH_MODE": "token"}
-    proc = subprocess.Popen([sys.executable, "-m", "driver", "train", "--config", "shapes-tiny", "--set",
-                             "trainer.steps=500", "--run-dir", str(run_dir)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "driver", "train", *TINY.split(), "--set", "trainer.steps=500",
+                             "--run-dir", str(run_dir)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=as_a_terminal_starts_it)
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300

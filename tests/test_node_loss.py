@@ -2,7 +2,8 @@
 the node that hosts an expert, and later the one that hosts a rollout worker, are removed mid-run.
 Ray restarts their actors on the nodes left, the driver restores them from the snapshots it keeps
 on its own node, lost rollout outputs are made again, and the run ends with metrics identical to an
-uninterrupted one. The cluster gets its own Ray, so the scenario runs in a subprocess of its own."""
+uninterrupted one. The cluster gets its own Ray, so the scenario runs in a subprocess of its own. One
+refiner: each further one is one more actor to start and restore, and changes nothing here."""
 import json
 import subprocess
 import sys
@@ -22,9 +23,8 @@ def config(mode: str, name: str):
     from driver.preflight import load_config
     pool = "resources.custom={pool: 0.01}"
     return load_config("shapes-tiny", [f"trainer.steps={STEPS}", "cluster.rollout_workers=2", f"cluster.mode={mode}",
-                                       f"trainer.run_name={name}", f"cluster.rollout_{pool}",
-                                       *[f"experts.{e}.{pool}" for e in ("refiner_0", "refiner_1", "refiner_2",
-                                                                         "generator")]])
+                                       f"trainer.run_name={name}", f"cluster.rollout_{pool}", "experts.n_refiners=1",
+                                       *[f"experts.{e}.{pool}" for e in ("refiner_0", "generator")]])
 
 
 def scenario(out: Path) -> dict:
@@ -75,7 +75,7 @@ def test_removing_the_nodes_of_an_expert_and_a_worker_changes_nothing(tmp_path):
     assert [r["step"] for r in rows] == list(range(STEPS))                  # the run completes, nothing lost
     last = rows[-1]
     assert last["faults/expert_restarts"] >= 1 and last["faults/worker_restarts"] + last["faults/sync_restarts"] >= 1
-    for e in ("refiner_0", "refiner_1", "refiner_2", "generator"):
+    for e in ("refiner_0", "generator"):
         assert [r[f"version/{e}"] for r in rows] == list(range(1, STEPS + 1))  # exactly once, monotonic
     assert result["info"]["registry"] == {e: STEPS for e in result["info"]["snapshots"]}
     assert_same_training(rows, reference)

@@ -17,11 +17,13 @@ GANG = ("experts.refiner_0.parallel.ranks=2", "experts.generator.parallel.ranks=
 
 def gang_config(strategy: str | None, *extra: str):
     """Under fsdp the generator holds its gradient reduction to the last of its update's backward passes
-    (`defer_gradient_sync`), and the refiner (one backward pass) reduces as FSDP does by default."""
+    (`defer_gradient_sync`), and the refiner (one backward pass) reduces as FSDP does by default. One
+    refiner: a further one, on one rank, is one more process to start and tests nothing here."""
     parallel = [*GANG, f"experts.refiner_0.parallel.strategy={strategy}",
                 f"experts.generator.parallel.strategy={strategy}",
                 *(["experts.generator.parallel.defer_gradient_sync=true"] if strategy == "fsdp" else [])] if strategy else []
-    return make_config("experts.generator.kl_beta=0.05", *parallel, *extra, preset="shapes-tiny")
+    return make_config("experts.generator.kl_beta=0.05", "experts.n_refiners=1", *parallel, *extra,
+                       preset="shapes-tiny")
 
 
 TRAINED = ("refiner_0", "generator")
@@ -74,7 +76,7 @@ def test_three_fsdp_ranks_over_eight_samples_with_dropped_ones_make_the_one_rank
     fails on each group's unrefined sample: a dropped sample stays in its rank's share (at advantage
     0), so the shares are the same whatever fails."""
     sets = ["reward.terms.image.fn=tests.faulty_rewards:nan_unrefined", "experts.generator.micro_batch=2",
-            "trainer.steps=2", "cluster.collective_timeout_s=20"]
+            "trainer.steps=2", "cluster.collective_timeout_s=20", "experts.n_refiners=1"]
     gang = ["experts.generator.parallel.ranks=3", "experts.generator.parallel.strategy=fsdp"]
     rows, _, _ = run_training(make_config(*sets, *gang, preset="shapes-tiny"), tmp_path / "three")
     one, _, _ = run_training(make_config(*sets, "cluster.mode=inline", preset="shapes-tiny"), tmp_path / "one")
