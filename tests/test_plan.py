@@ -306,3 +306,17 @@ def test_a_gpu_run_whose_snapshots_the_largest_object_store_cannot_hold_is_refus
     assert f"{need / 2**30:.1f} GiB" in said and "--object-store-memory=" in said and "lora" in said
     asked = int(said.split("--object-store-memory=")[1].split()[0])
     assert asked >= need
+
+
+def test_a_passs_flops_are_the_time_models_conventions():
+    """A sampling pass is its products and attention; a trained step adds a backward of twice the
+    products (once under LoRA: no weight gradients) and 2.5x the attention (FlashAttention-2's
+    backward recomputes the scores), the forward again under activation checkpointing, and the
+    reference's forward for the KL. bench/time_model.py checks these against this CPU's times."""
+    from driver.commands.layout_plan import sampled_pass_flops, trained_pass_flops
+    from experts.memory import Flops
+    flops = Flops(linear=100, attention=40)
+    assert sampled_pass_flops(flops) == 140
+    assert trained_pass_flops(flops, lora=False, checkpointing=False, reference=False) == 140 + 200 + 100
+    assert trained_pass_flops(flops, lora=True, checkpointing=False, reference=False) == 140 + 100 + 100
+    assert trained_pass_flops(flops, lora=False, checkpointing=True, reference=True) == 3 * 140 + 200 + 100

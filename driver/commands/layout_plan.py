@@ -18,7 +18,9 @@ backward pass costs twice the forward's products (once under LoRA: no weight gra
 its attention (FlashAttention-2, arXiv 2307.08691 §4.1: the backward recomputes the scores); under
 activation checkpointing the forward runs twice. A refiner's pass costs 2 x parameters x tokens
 (its few hundred tokens make attention small). Real steps take longer than that bound, by about
-the same factor in either layout, so the comparison holds where the absolute figure does not.
+the same factor in either layout, so the comparison holds where the absolute figure does not: on
+one CPU thread, at the CPU's own rate, each family's passes take 1.12x to 1.23x what this model
+says (bench/time_model.py).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from common.config import SettingError
 from driver.config import Config, validated
 from driver.plan import (PROMPT_TOKENS, PlanError, Target, guided, plan_for, refined_samples, step_samples,
                          task_generator, trained_steps)
-from experts.memory import lm_architecture
+from experts.memory import Flops, lm_architecture
 
 REFUSED = "the config refuses it: "  # how a layout the config's validation refuses is reported
 
@@ -100,6 +102,19 @@ def trained(config: Config) -> list[str]:
     return [e for e in config.experts.ids() if config.expert(e).train]
 
 
+def sampled_pass_flops(flops: Flops) -> float:
+    """One forward pass without gradients: its products and its attention."""
+    return flops.linear + flops.attention
+
+
+def trained_pass_flops(flops: Flops, *, lora: bool, checkpointing: bool, reference: bool) -> float:
+    """One trained step through one transformer: the forward, the backward (twice the forward's
+    products, once under LoRA; 2.5x its attention), the forward again under activation
+    checkpointing, and the frozen reference's forward (`reference`: the KL's)."""
+    backward = (1 if lora else 2) * flops.linear + 2.5 * flops.attention
+    return sampled_pass_flops(flops) * (1 + checkpointing + reference) + backward
+
+
 def flop_costs(config: Config, tflops: float) -> PhaseCosts:
     """Per-sample costs from FLOPs at `tflops` (see the module docstring)."""
     rate = tflops * 1e12
@@ -109,14 +124,11 @@ def flop_costs(config: Config, tflops: float) -> PhaseCosts:
     redraws = algo.counterfactual_fraction * len(config.experts.active_refiners()) \
         * refined_samples(config) / step_samples(config) if algo.credit == "counterfactual" else 0.0
     text = 2 * sum(arch.frontend.values()) * arch.text_tokens  # the encoders' passes (the VAE's are left out)
-    forward = arch.flops.linear + arch.flops.attention
-    generate = (1 + redraws) * (g.sample_steps * guided(g) * forward + text)
+    generate = (1 + redraws) * (g.sample_steps * guided(g) * sampled_pass_flops(arch.flops) + text)
 
     def generator_update(spec) -> float:
-        """One sample's trained step through one transformer: forward, backward, the recomputed
-        forward under activation checkpointing, the reference's forward for the KL."""
-        backward = (1 if spec.model.lora else 2) * arch.flops.linear + 2.5 * arch.flops.attention
-        passes = forward * (1 + spec.parallel.activation_checkpointing + (spec.kl_beta > 0)) + backward
+        passes = trained_pass_flops(arch.flops, lora=bool(spec.model.lora),
+                                    checkpointing=spec.parallel.activation_checkpointing, reference=spec.kl_beta > 0)
         return (guided(g) if g.train_cfg else 1) * passes
     refine, update = {}, {}
     for e, r in config.experts.active_refiners().items():
