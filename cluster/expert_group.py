@@ -44,6 +44,16 @@ class Replay(NamedTuple):
     inputs: tuple
 
 
+class SubmittedUpdate(NamedTuple):
+    """An expert's update and the snapshot after it, submitted: the update's refs, the snapshot (with
+    the optimizer state if `base`), the other ranks' snapshot calls, and the update's inputs."""
+    updates: list
+    snapshot: Snapshot
+    others: list
+    inputs: tuple
+    base: bool
+
+
 class ExpertGroup:
     def __init__(self, config, runtime: Runtime, faults: FaultCounts, workers: list, *, states: dict | None = None,
                  expert_cls=ExpertActor):
@@ -158,33 +168,32 @@ class ExpertGroup:
                 name=f"{e}'s update at step {step}", counter="expert_restarts")
             self.versions[e] = stats[e]["version"]
 
-    def submit_update(self, e: str, step: int, advantages: Advantages, rollout) -> tuple:
+    def submit_update(self, e: str, step: int, advantages: Advantages, rollout) -> SubmittedUpdate:
         """Expert `e`'s update on `rollout` and the snapshot after it (with the optimizer state when
-        due), submitted: (the update's refs, the snapshot, the other ranks' snapshot calls, the
-        update's inputs)."""
+        due), submitted."""
         inputs = self.kinds[e].update_inputs(advantages, rollout.refined, rollout.outputs_for(e))
         base = self.base_due(e)
-        return (self.gangs[e].update(step, self.versions[e], *inputs),
-                *self.gangs[e].snapshot(with_optimizer=base, with_weights=base or bool(self.workers)), inputs)
+        updates = self.gangs[e].update(step, self.versions[e], *inputs)
+        snapshot, others = self.gangs[e].snapshot(with_optimizer=base, with_weights=base or bool(self.workers))
+        return SubmittedUpdate(updates, snapshot, others, inputs, base)
 
     def base_due(self, e: str) -> bool:
         """Whether expert `e`'s next snapshot takes its optimizer state (cluster.optimizer_snapshot_every)."""
         return len(self.replays[e]) + 1 >= self.config.cluster.optimizer_snapshot_every
 
-    def updated(self, e: str, step: int, call: tuple) -> tuple[dict, Snapshot]:
+    def updated(self, e: str, step: int, call: SubmittedUpdate) -> tuple[dict, Snapshot]:
         """A submitted update's stats and its new snapshot, kept on the driver's node; the snapshot
         must show this step's version (an expert that restarted between shows an older one). The
         update's inputs are kept until the expert's next snapshot with optimizer state."""
-        updates, snapshot, others, inputs = call
         try:
-            result, info = get(updates)[0], get(snapshot.info)
-            get(others)
-            replay = None if self.base_due(e) else Replay(step, self.versions[e], self.kept_inputs(inputs))
+            result, info = get(call.updates)[0], get(call.snapshot.info)
+            get(call.others)
+            replay = None if call.base else Replay(step, self.versions[e], self.kept_inputs(call.inputs))
         except ObjectLostError as lost:
             raise RolloutLost(f"step {step}: {e}'s update lost its inputs ({type(lost).__name__})") from lost
         if (info.version, info.last_step) != (self.versions[e] + 1, step):
             raise StaleExpert(f"{e}: its snapshot after step {step} shows {info}")
-        kept = self.keep(snapshot, e)
+        kept = self.keep(call.snapshot, e)
         if replay is None:
             self.bases[e], self.replays[e] = kept, []
         else:
