@@ -23,11 +23,13 @@ install: $(BIN)/.installed
 run: $(BIN)/.installed
 	$(BIN)/jointrl train --config shapes
 
+# One torch thread per process: the two pytest workers, the Ray actors and the commands the tests
+# start share the cores, where more threads per process only contend (tests/conftest.py `one_thread`).
 test: $(BIN)/.installed
-	JOINTRL_REQUIRE_VLLM=$(REQUIRE_VLLM) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
+	OMP_NUM_THREADS=1 JOINTRL_REQUIRE_VLLM=$(REQUIRE_VLLM) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 test-fast: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not cluster and not engine" --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not cluster and not engine" --durations=10
 
 bench: $(BIN)/.installed
 	$(BIN)/python bench/perf.py
