@@ -78,7 +78,7 @@ def timed(fn, times: int = 1) -> float:
     return (time.perf_counter() - start) / times
 
 
-def measure_family(tiny: str, folder: Path, image_size: int, frames: int | None, repeats: int) -> dict:
+def measure_family(folder: Path, image_size: int, frames: int | None, repeats: int) -> dict:
     """One sample of the widened family: its traced FLOPs and tokens, and the best of `repeats` wall
     times of a sampling pass, a trained step, and a trained step under activation checkpointing."""
     import importlib
@@ -182,7 +182,7 @@ def main() -> int:
         for tiny, keys, size, frames in CASES:
             if args.families and tiny not in args.families:
                 continue
-            row = measure_family(tiny, widened_folder(tiny, keys, Path(tmp)), size, frames, args.repeats)
+            row = measure_family(widened_folder(tiny, keys, Path(tmp)), size, frames, args.repeats)
             print(f"{tiny}: {row['tokens']} tokens, {row['seconds']}", flush=True)
             rows.append(row)
     tflops = cpu_tflops(rows[0]["tokens"], args.repeats)
