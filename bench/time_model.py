@@ -2,14 +2,16 @@
 
 `jointrl plan` estimates a real model's step from FLOPs: a sampling pass costs its traced products
 and attention (`sampled_pass_flops`), a trained step the forward, a backward of twice the products
-and 2.5x the attention, and the forward again under activation checkpointing (`trained_pass_flops`),
-all at one rate. Here each generator family's tiny build is widened until its FLOPs, not Python's
-overhead, decide its time (heads of 64, width 512, about a thousand image tokens), its FLOPs are
-traced on the meta device exactly as the plan traces a real model (experts/memory.py), and the same
-passes are timed on one CPU thread in float32 with random weights. The rate is this CPU's, measured
-on a matrix product of the widened width; a ratio of measured over estimated seconds near 1 says
-the model's proportions hold (sampling against training, products against attention, the
-recomputed forward), which is what the layout comparison relies on.
+(once under LoRA) and 2.5x the attention, and the forward again under activation checkpointing
+(`trained_pass_flops`), all at one rate. Here each generator family's tiny build is widened until
+its FLOPs, not Python's overhead, decide its time (heads of 64, width 512, about a thousand image
+tokens), its FLOPs are traced on the meta device exactly as the plan traces a real model
+(experts/memory.py), and the same passes are timed on one CPU thread in float32 with random
+weights: sampling, a full fine-tune's step, one under activation checkpointing, and a LoRA
+adapter's step. The rate is this CPU's, measured on a matrix product of the widened width; a ratio
+of measured over estimated seconds near 1 says the model's proportions hold (sampling against
+training, products against attention, the recomputed forward, LoRA's lighter backward), which is
+what the layout comparison relies on.
 
 Usage: python bench/time_model.py [--repeats 3] [--out bench/results/time_model.md]
 Run it on a quiet machine: every figure is a wall time.
@@ -45,6 +47,7 @@ CASES = [
     ("wan2.1", {"attention_head_dim": HEAD, "num_attention_heads": WIDTH // HEAD, "ffn_dim": 4 * WIDTH,
                 "num_layers": 3}, 128, 65),
 ]
+LORA_RANK = 16
 BAR = 0.30  # the issue's: within 30 %
 
 
@@ -79,30 +82,39 @@ def timed(fn, times: int = 1) -> float:
 
 
 def measure_family(folder: Path, image_size: int, frames: int | None, repeats: int) -> dict:
-    """One sample of the widened family: its traced FLOPs and tokens, and the best of `repeats` wall
-    times of a sampling pass, a trained step, and a trained step under activation checkpointing."""
+    """One sample of the widened family: its tokens, and per pass the best of `repeats` wall times
+    and the plan's FLOPs for it (`sampled_pass_flops`, `trained_pass_flops` of the traced counts):
+    a sampling pass, a trained step, one under activation checkpointing, and one of a LoRA adapter
+    (rank LORA_RANK on the family's targets, as its expert attaches it)."""
     import importlib
 
     import torch
+    from peft import LoraConfig as PeftLora
     from torch import nn
 
     from common.architectures import model_index
+    from driver.commands.layout_plan import sampled_pass_flops, trained_pass_flops
     from experts.families import FAMILIES
     from experts.generator import DiffusersFlowConfig
     from experts.memory import generator_architecture
     from experts.parallel import checkpoint_activations
+    from experts.spec import LoraConfig
     spec = DiffusersFlowConfig(kind="diffusers_flow", path=str(folder), max_sequence_length=32)
+    adapted_spec = spec.model_copy(update={"lora": LoraConfig(r=LORA_RANK, alpha=LORA_RANK)})
     arch = generator_architecture(spec, image_size, num_frames=frames)
+    adapted_flops = generator_architecture(adapted_spec, image_size, num_frames=frames).flops
     family = model_index(folder)["_class_name"]
     module = importlib.import_module(FAMILIES[family].module)
     cls = getattr(importlib.import_module("diffusers"), json.loads((folder / "transformer" / "config.json")
                                                                    .read_text())["_class_name"])
-    torch.manual_seed(0)
-    transformer = cls.from_config(cls.load_config(folder / "transformer")).float()
+
+    def built() -> nn.Module:
+        torch.manual_seed(0)
+        return cls.from_config(cls.load_config(folder / "transformer")).float()
     velocity = module.Velocity.__new__(module.Velocity)  # the family's own forward, as the plan's trace runs it
     nn.Module.__init__(velocity)
-    velocity.transformer, velocity.spec = transformer, spec
-    shapes, _ = module.Velocity.conditioning(dict(transformer.config), spec)
+    velocity.transformer, velocity.spec = built(), spec
+    shapes, _ = module.Velocity.conditioning(dict(velocity.transformer.config), spec)
     x = torch.randn(1, *arch.latent_shape)
     sigma = torch.full((1,), 0.5)
     cond = {k: torch.randn(1, *shape).to(dt or torch.float32) for k, (shape, dt) in shapes.items()}
@@ -113,23 +125,26 @@ def measure_family(folder: Path, image_size: int, frames: int | None, repeats: i
 
     def train():
         velocity.velocity(x, sigma, cond).square().mean().backward()
-        transformer.zero_grad(set_to_none=True)
-    sample(), train()  # warm-up
-    times = {"sample": min(timed(sample) for _ in range(repeats)), "train": min(timed(train) for _ in range(repeats))}
-    checkpoint_activations(transformer)
-    train()
-    times["train_checkpointed"] = min(timed(train) for _ in range(repeats))
-    return {"family": family, "tokens": arch.image_tokens, "text_tokens": arch.text_tokens,
-            "parameters": arch.transformer, "flops": arch.flops, "seconds": times}
+        velocity.transformer.zero_grad(set_to_none=True)
 
-
-def estimates(flops, tflops: float) -> dict[str, float]:
-    """The plan's seconds for the three passes (full fine-tuning, no KL reference) at `tflops`."""
-    from driver.commands.layout_plan import sampled_pass_flops, trained_pass_flops
-    rate = tflops * 1e12
-    return {"sample": sampled_pass_flops(flops) / rate,
-            "train": trained_pass_flops(flops, lora=False, checkpointing=False, reference=False) / rate,
-            "train_checkpointed": trained_pass_flops(flops, lora=False, checkpointing=True, reference=False) / rate}
+    def best(fn) -> float:
+        fn()  # warm-up
+        return min(timed(fn) for _ in range(repeats))
+    passes = {"sample": (best(sample), sampled_pass_flops(arch.flops)),
+              "train": (best(train), trained_pass_flops(arch.flops, lora=False, checkpointing=False,
+                                                        reference=False))}
+    checkpoint_activations(velocity.transformer)
+    passes["train checkpointed"] = (best(train), trained_pass_flops(arch.flops, lora=False, checkpointing=True,
+                                                                    reference=False))
+    velocity.transformer = built()
+    velocity.transformer.add_adapter(PeftLora(r=LORA_RANK, lora_alpha=LORA_RANK,
+                                              target_modules=module.Velocity.LORA_TARGETS))
+    for name, p in velocity.transformer.named_parameters():
+        p.requires_grad_("lora_" in name)
+    passes["train LoRA"] = (best(train), trained_pass_flops(adapted_flops, lora=True, checkpointing=False,
+                                                            reference=False))
+    return {"family": family, "tokens": arch.image_tokens, "parameters": arch.transformer, "flops": arch.flops,
+            "passes": passes}
 
 
 def report(rows: list[dict], tflops: float, minutes: float, repeats: int) -> str:
@@ -149,13 +164,12 @@ def report(rows: list[dict], tflops: float, minutes: float, repeats: int) -> str
     for r in rows:
         f = r["flops"]
         share = f.attention / (f.linear + f.attention)
-        est = estimates(f, tflops)
-        for i, (name, seconds) in enumerate(r["seconds"].items()):
-            ratio = seconds / est[name]
-            ratios.append(ratio)
+        for i, (name, (seconds, flops)) in enumerate(r["passes"].items()):
+            estimated = flops / (tflops * 1e12)
+            ratios.append(seconds / estimated)
             head = f"| {r['family']} | {r['tokens']} | {r['parameters'] / 1e6:.1f} M | {share:.0%} |" if i == 0 \
                 else "| | | | |"
-            lines.append(f"{head} {name.replace('_', ' ')} | {seconds:.3f} | {est[name]:.3f} | {ratio:.2f} |")
+            lines.append(f"{head} {name} | {seconds:.3f} | {estimated:.3f} | {ratios[-1]:.2f} |")
     # the plan compares layouts by proportions: one rate scales every phase alike
     scale = statistics.median(ratios)
     within = [abs(q / scale - 1) <= BAR for q in ratios]
@@ -183,7 +197,8 @@ def main() -> int:
             if args.families and tiny not in args.families:
                 continue
             row = measure_family(widened_folder(tiny, keys, Path(tmp)), size, frames, args.repeats)
-            print(f"{tiny}: {row['tokens']} tokens, {row['seconds']}", flush=True)
+            print(f"{tiny}: {row['tokens']} tokens, " + ", ".join(f"{k} {t:.3f} s" for k, (t, _) in row["passes"].items()),
+                  flush=True)
             rows.append(row)
     tflops = cpu_tflops(rows[0]["tokens"], args.repeats)
     text = report(rows, tflops, (time.perf_counter() - start) / 60, args.repeats)

@@ -19,7 +19,7 @@ its attention (FlashAttention-2, arXiv 2307.08691 §4.1: the backward recomputes
 activation checkpointing the forward runs twice. A refiner's pass costs 2 x parameters x tokens
 (its few hundred tokens make attention small). Real steps take longer than that bound, by about
 the same factor in either layout, so the comparison holds where the absolute figure does not: on
-one CPU thread, at the CPU's own rate, each family's passes take 1.12x to 1.23x what this model
+one CPU thread, at the CPU's own rate, each family's passes take 1.08x to 1.24x what this model
 says (bench/time_model.py).
 """
 from __future__ import annotations
